@@ -1,0 +1,164 @@
+"""Frozen, hashable model configs.
+
+`ModelConfig` describes a decoder-only target (Llama / Qwen2 / Qwen3 family) and is
+passed to jitted functions as a static argument, so it must stay hashable: every field
+is a scalar, a string or a tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    # Rope scaling as a sorted tuple of (key, value) pairs, e.g. (("factor", 8.0), ("rope_type", "llama3"), ...).
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    max_position_embeddings: int = 4096
+    family: str = "llama"
+    dtype: str = "float32"  # activation / parameter dtype: float32 on CPU, bfloat16 on TPU/GPU
+    scan_layers: bool = False  # lax.scan over stacked layers (faster compile) vs unrolled (faster on CPU)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def replace(self, **kw) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> ModelConfig:
+        """Builds a config from an HF `config.json` dict; raises on unsupported architectures."""
+        archs = hf.get("architectures") or []
+        family = None
+        for a in archs:
+            if a in SUPPORTED_ARCHITECTURES:
+                family = SUPPORTED_ARCHITECTURES[a]
+        if family is None:
+            model_type = hf.get("model_type")
+            if model_type in ("llama", "qwen2", "qwen3") and not archs:
+                family = model_type
+            else:
+                raise ValueError(
+                    f"unsupported architecture {archs or model_type!r} in config.json; "
+                    f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                )
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+        if rope_scaling:
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype not in ("default", "llama3", "linear"):
+                raise ValueError(
+                    f"unsupported rope_scaling type {rtype!r}; supported: default, linear, llama3"
+                )
+            rope_scaling = {**rope_scaling, "rope_type": rtype}
+            rope_scaling.pop("type", None)
+            rope_scaling = None if rtype == "default" else tuple(sorted(rope_scaling.items()))
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+            rope_theta = hf["rope_parameters"].get("rope_theta")
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        kw = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=hf["intermediate_size"],
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            family=family,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def tiny(cls, family: str = "llama", **kw) -> ModelConfig:
+        """A small random model for unit tests."""
+        base = dict(
+            vocab_size=128,
+            hidden_size=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=family == "llama",
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            max_position_embeddings=512,
+            family=family,
+            eos_token_ids=(2,),
+            bos_token_id=1,
+        )
+        base.update(kw)
+        return cls(**base)
+
+    @classmethod
+    def smollm2_135m(cls, **kw) -> ModelConfig:
+        base = dict(
+            vocab_size=49152,
+            hidden_size=576,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            family="llama",
+            bos_token_id=1,
+            eos_token_ids=(2,),
+        )
+        base.update(kw)
+        return cls(**base)

@@ -1,0 +1,159 @@
+"""Building blocks shared by the target decoder and the drafter.
+
+Letter legend: S cache slots (requests), Q query positions per slot, T key positions,
+N packed tokens, D model width, H query heads, G heads per KV head, K KV heads,
+E head dim, F FFN width, V vocab.
+
+Every parameter carries its logical axis names in the `axes` metadata; the rules table
+in `dspark_jax/sharding.py` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import ModelConfig
+
+
+def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", scale=0.02) -> nnx.Param:
+    """A parameter with logical axes. `rngs=None` gives zeros (used under eval_shape/loading)."""
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros" or rngs is None:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
+        self.eps = eps
+        self.weight = param(None, (dim,), (axis_name,), dtype, init="ones")
+
+    def __call__(self, x):
+        # Normalise in fp32: bf16 variance loses too many bits for long contexts.
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ W (+ b). The kernel is stored (in, out)."""
+
+    def __init__(self, din, dout, axes, *, rngs, dtype, bias=False):
+        self.kernel = param(rngs, (din, dout), axes, dtype)
+        self.bias = param(None, (dout,), axes[1:], dtype, init="zeros") if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> jnp.ndarray:
+    """Inverse frequencies [E/2], with HF's `linear` and `llama3` rope scaling."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if not scaling:
+        return inv
+    rtype = scaling.get("rope_type", "default")
+    if rtype == "linear":
+        return inv / scaling["factor"]
+    if rtype == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [..., E] with positions [...] (broadcast over the head axis); HF rotate-half layout."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., E/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    cos = jnp.concatenate([cos, cos], -1)[..., None, :]
+    sin = jnp.concatenate([sin, sin], -1)[..., None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + rot * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attend(q_SQHE, k_STKE, v_STKE, mask_SQT):
+    """Grouped-query attention; scores and softmax in fp32. Fully masked rows give zeros."""
+    S, Q, H, E = q_SQHE.shape
+    K = k_STKE.shape[2]
+    q = q_SQHE.reshape(S, Q, K, H // K, E)
+    s = jnp.einsum("sqkge,stke->skgqt", q, k_STKE, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(E))
+    m = mask_SQT[:, None, None]
+    s = jnp.where(m, s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(m, p, 0.0)
+    o = jnp.einsum("skgqt,stke->sqkge", p.astype(v_STKE.dtype), v_STKE)
+    return o.reshape(S, Q, H, E)
+
+
+class Attention(nnx.Module):
+    """Q/K/V/O projections with optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, qk_norm=None):
+        dt = cfg.jnp_dtype
+        D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, K, E
+        bias = cfg.qkv_bias
+        self.q_proj = Linear(D, H * E, ("embed", "q_heads"), rngs=rngs, dtype=dt, bias=bias)
+        self.k_proj = Linear(D, K * E, ("embed", "kv_heads"), rngs=rngs, dtype=dt, bias=bias)
+        self.v_proj = Linear(D, K * E, ("embed", "kv_heads"), rngs=rngs, dtype=dt, bias=bias)
+        self.o_proj = Linear(H * E, D, ("q_heads", "embed"), rngs=rngs, dtype=dt)
+        use_qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
+        self.q_norm = RMSNorm(E, cfg.rms_norm_eps, dt, "head_dim") if use_qk_norm else None
+        self.k_norm = RMSNorm(E, cfg.rms_norm_eps, dt, "head_dim") if use_qk_norm else None
+
+    def project_q(self, x, positions, inv_freq):
+        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, positions, inv_freq)
+
+    def project_kv(self, x, positions, inv_freq):
+        k = self.k_proj(x).reshape(*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, inv_freq), v
+
+    def project_out(self, o):
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs):
+        dt = cfg.jnp_dtype
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(D, F, ("embed", "mlp"), rngs=rngs, dtype=dt)
+        self.up_proj = Linear(D, F, ("embed", "mlp"), rngs=rngs, dtype=dt)
+        self.down_proj = Linear(F, D, ("mlp", "embed"), rngs=rngs, dtype=dt)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,65 @@
+"""`Target`: a loaded, frozen target model (config, split NNX state, tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.config import ModelConfig
+from dspark_jax.models.transformer import Transformer, full_logits
+
+
+@dataclasses.dataclass
+class Target:
+    cfg: ModelConfig
+    graphdef: Any
+    state: Any  # nnx.State of parameters
+    tokenizer: Any = None  # dspark_jax.io.tokenizer.TextTokenizer, or None for raw-id models
+    name: str = ""
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, tokenizer=None, name="random") -> Target:
+        model = Transformer(cfg, rngs=nnx.Rngs(seed))
+        graphdef, state = nnx.split(model)
+        return cls(cfg, graphdef, state, tokenizer, name)
+
+    @classmethod
+    def abstract(cls, cfg: ModelConfig):
+        """(graphdef, abstract state) without allocating any weights."""
+        return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return tuple(self.tokenizer.eos_token_ids)
+        return tuple(self.cfg.eos_token_ids)
+
+    def module(self) -> Transformer:
+        return nnx.merge(self.graphdef, self.state)
+
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state))
+
+
+def logits(target: Target, token_ids) -> jax.Array:
+    """Full causal forward: token ids [B, T] (or [T]) → float32 logits [B, T, V] (or [T, V])."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+    squeeze = ids.ndim == 1
+    if squeeze:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise ValueError(f"token_ids must be [T] or [B, T], got shape {ids.shape}")
+    if ids.shape[1] > target.cfg.max_position_embeddings:
+        raise ValueError(
+            f"sequence of {ids.shape[1]} tokens is longer than the model's context "
+            f"({target.cfg.max_position_embeddings})"
+        )
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= target.cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, {target.cfg.vocab_size})")
+    out = full_logits(target.graphdef, target.state, ids)
+    return out[0] if squeeze else out

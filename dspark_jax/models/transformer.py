@@ -1,0 +1,203 @@
+"""The target decoder (Llama / Qwen2 / Qwen3) with a slot-based KV cache.
+
+Letter legend: L layers, S cache slots, T cache length, Q max tokens per slot in one step,
+N packed tokens, D model width, K KV heads, E head dim, V vocab, F tapped features (n·D).
+
+One forward serves every use: a *packed step* takes a flat array of N tokens (N a static
+bucket size) laid out slot-major, described by per-slot `starts` (tokens already in the
+cache) and `counts` (tokens of this slot in the step). Dense layers run on the N packed
+tokens, so the cost follows N; attention scatters the step's K/V into the cache first and
+then lets every slot's queries (gathered into an [S, Q] grid) attend to their own cache row
+with the causal rule `key position <= query position`. Prefill (starts = 0), a decode step
+(counts = 1), verification of draft blocks (counts = 1 + ℓ_r) and the full forward are all
+packed steps. Cache entries past a slot's committed length (e.g. rejected drafts) are
+never read before they are overwritten, because a slot's step tokens always start at its
+committed length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dspark_jax.config import ModelConfig
+from dspark_jax.models.layers import MLP, Attention, RMSNorm, attend, param, rope_inv_freq
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, S, T, K, E]
+    v: jax.Array  # [L, S, T, K, E]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, num_slots: int, length: int, dtype=None) -> KVCache:
+        shape = (cfg.num_layers, num_slots, length, cfg.num_kv_heads, cfg.head_dim)
+        dt = dtype or cfg.jnp_dtype
+        return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+@struct.dataclass
+class PackedLayout:
+    """Where each packed token goes; derived on device from (starts, counts)."""
+
+    slot_N: jax.Array  # slot of each packed token (clipped for padding)
+    j_N: jax.Array  # index of the token inside its slot's step
+    pos_N: jax.Array  # absolute position
+    valid_N: jax.Array  # False for bucket padding
+    grid_idx_SQ: jax.Array  # packed index of grid cell (s, q), N for empty cells
+    grid_pos_SQ: jax.Array
+    grid_valid_SQ: jax.Array
+
+
+def packed_layout(starts_S, counts_S, num_tokens: int, q_max: int) -> PackedLayout:
+    ends = jnp.cumsum(counts_S)
+    offs = ends - counts_S
+    n = jnp.arange(num_tokens)
+    S = starts_S.shape[0]
+    slot = jnp.clip(jnp.searchsorted(ends, n, side="right"), 0, S - 1)
+    j = n - offs[slot]
+    valid = n < ends[-1]
+    pos = starts_S[slot] + j
+    q = jnp.arange(q_max)
+    grid_valid = q[None, :] < counts_S[:, None]
+    grid_idx = jnp.where(grid_valid, offs[:, None] + q[None, :], num_tokens)
+    grid_pos = starts_S[:, None] + q[None, :]
+    return PackedLayout(slot, j, pos, valid, grid_idx, grid_pos, grid_valid)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs):
+        dt = cfg.jnp_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, "embed")
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, "embed")
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_ND, k_STKE, v_STKE, lay: PackedLayout, mask_SQT, inv_freq):
+        h = self.input_layernorm(x_ND)
+        q = self.self_attn.project_q(h, lay.pos_N, inv_freq)
+        k, v = self.self_attn.project_kv(h, lay.pos_N, inv_freq)
+        S = k_STKE.shape[0]
+        # Padding tokens target slot S (out of range) and are dropped by the scatter.
+        ws = jnp.where(lay.valid_N, lay.slot_N, S)
+        k_STKE = k_STKE.at[ws, lay.pos_N].set(k.astype(k_STKE.dtype), mode="drop")
+        v_STKE = v_STKE.at[ws, lay.pos_N].set(v.astype(v_STKE.dtype), mode="drop")
+        q_pad = jnp.concatenate([q, jnp.zeros_like(q[:1])], 0)
+        o_SQHE = attend(q_pad[lay.grid_idx_SQ], k_STKE, v_STKE, mask_SQT)
+        o = o_SQHE[lay.slot_N, jnp.minimum(lay.j_N, o_SQHE.shape[1] - 1)]
+        x_ND = x_ND + self.self_attn.project_out(o)
+        x_ND = x_ND + self.mlp(self.post_attention_layernorm(x_ND))
+        return x_ND, k_STKE, v_STKE
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = cfg.jnp_dtype
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(r):
+                return DecoderLayer(cfg, rngs=r)
+
+            self.layers = make(rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, "embed")
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+        )
+
+    # The drafter shares these two (frozen) with the target.
+    def embed(self, tokens):
+        return self.embed_tokens[...][tokens]
+
+    def lm_head_matrix(self):
+        """[D, V]."""
+        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+
+    def unembed(self, h_ND):
+        """Final norm + LM head, logits in fp32."""
+        h = self.norm(h_ND)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head_matrix(), preferred_element_type=jnp.float32)
+
+    def __call__(self, cache: KVCache, tokens_N, starts_S, counts_S, *, q_max: int,
+                 logits_idx=None, feature_layers: tuple[int, ...] = ()):
+        """Packed step. Returns (logits [M, V] fp32, features [N, n·D] or None, new cache).
+
+        `logits_idx` [M] selects which packed tokens get logits (None = all N); prefill
+        asks only for each slot's last token, which saves the [N, V] projection.
+        """
+        cfg = self.cfg
+        N = tokens_N.shape[0]
+        T = cache.length
+        lay = packed_layout(starts_S, counts_S, N, q_max)
+        mask = (jnp.arange(T)[None, None, :] <= lay.grid_pos_SQ[..., None]) & lay.grid_valid_SQ[..., None]
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        x = self.embed(tokens_N)
+        taps = {-1: x} if -1 in feature_layers else {}
+        if cfg.scan_layers:
+            gdef, lstate = nnx.split(self.layers)
+
+            def body(x, xs):
+                st, k_l, v_l = xs
+                x, k_l, v_l = nnx.merge(gdef, st)(x, k_l, v_l, lay, mask, inv_freq)
+                return x, (k_l, v_l, x)
+
+            x, (ks, vs, hs) = jax.lax.scan(body, x, (lstate, cache.k, cache.v))
+            cache = KVCache(ks, vs)
+            taps.update({i: hs[i] for i in feature_layers if i >= 0})
+        else:
+            ks, vs = cache.k, cache.v
+            for i, layer in enumerate(self.layers):
+                x, k_l, v_l = layer(x, ks[i], vs[i], lay, mask, inv_freq)
+                ks, vs = ks.at[i].set(k_l), vs.at[i].set(v_l)
+                if i in feature_layers:
+                    taps[i] = x
+            cache = KVCache(ks, vs)
+        feats = jnp.concatenate([taps[i] for i in feature_layers], -1) if feature_layers else None
+        h = x if logits_idx is None else x[logits_idx]
+        return self.unembed(h), feats, cache
+
+
+# --------------------------------------------------------------------------- pure entry points
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "q_max", "feature_layers", "last_only"),
+    donate_argnames=("cache",),
+)
+def packed_step(graphdef, state, cache, tokens_N, starts_S, counts_S, *, q_max,
+                feature_layers=(), last_only=False):
+    """Jitted packed step; donates the cache it replaces. `last_only`: logits of each slot's last token [S, V]."""
+    model = nnx.merge(graphdef, state)
+    idx = jnp.maximum(jnp.cumsum(counts_S) - 1, 0) if last_only else None
+    return model(cache, tokens_N, starts_S, counts_S, q_max=q_max, logits_idx=idx,
+                 feature_layers=feature_layers)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def full_logits(graphdef, state, tokens_BT):
+    """Full causal forward of [B, T] token ids → [B, T, V] fp32 logits (a throwaway cache)."""
+    model = nnx.merge(graphdef, state)
+    B, T = tokens_BT.shape
+    cache = KVCache.zeros(model.cfg, B, T)
+    logits, _, _ = model(cache, tokens_BT.reshape(-1), jnp.zeros(B, jnp.int32),
+                         jnp.full(B, T, jnp.int32), q_max=T)
+    return logits.reshape(B, T, -1)
