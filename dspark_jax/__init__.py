@@ -1,8 +1,25 @@
-"""DSpark-JAX: lossless speculative decoding with a semi-autoregressive drafter."""
+"""DSpark-JAX: lossless speculative decoding with a semi-autoregressive drafter.
+
+    import dspark_jax as ds
+    target = ds.load_target("smollm2-135m")
+    out = ds.generate(target, ["Hello"], sampling=ds.SamplingParams(temperature=0.0))
+"""
 
 from dspark_jax.config import ModelConfig
+from dspark_jax.decoding.generate import GenerationOutput, generate
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.decoding.verification import verify
 from dspark_jax.io.loading import load_target
 from dspark_jax.models.target import Target, logits
 
-__all__ = ["ModelConfig", "Target", "load_target", "logits"]
+__all__ = [
+    "GenerationOutput",
+    "ModelConfig",
+    "SamplingParams",
+    "Target",
+    "generate",
+    "load_target",
+    "logits",
+    "verify",
+]
 __version__ = "0.1.0"

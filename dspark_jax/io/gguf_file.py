@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 
 import numpy as np
 
@@ -31,20 +32,63 @@ _TOP_MAP = {
 }
 
 
-def _field_value(field):
-    """Python value of a GGUFReader field (scalars, strings, arrays of either)."""
-    import gguf
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP_SCALAR = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+              6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
-    types = field.types
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        if types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i][0].item() for i in field.data]
-    if types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    return field.parts[field.data[0]][0].item()
+
+class _Header:
+    """A small GGUF (v2/v3) header parser. gguf.GGUFReader builds a numpy view per vocab
+    string, which takes ~12 s for a 49k-token vocabulary; this takes well under a second."""
+
+    def __init__(self, path: str):
+        self.buf = np.memmap(path, dtype=np.uint8, mode="r")
+        self.mv = memoryview(self.buf)
+        self.off = 0
+        if bytes(self.mv[:4]) != b"GGUF":
+            raise ValueError(f"{path!r} is not a GGUF file (bad magic)")
+        self.off = 4
+        version = self._read("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path!r}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = self._read("<Q"), self._read("<Q")
+        self.fields = {}
+        for _ in range(n_kv):
+            key = self._str()
+            self.fields[key] = self._value(self._read("<I"))
+        self.tensors = []  # (name, shape (ggml order), type id, offset)
+        for _ in range(n_tensors):
+            name = self._str()
+            dims = [self._read("<Q") for _ in range(self._read("<I"))]
+            self.tensors.append((name, dims, self._read("<I"), self._read("<Q")))
+        align = int(self.fields.get("general.alignment", 32))
+        self.data_start = (self.off + align - 1) // align * align
+
+    def _read(self, fmt):
+        v = struct.unpack_from(fmt, self.mv, self.off)[0]
+        self.off += struct.calcsize(fmt)
+        return v
+
+    def _str(self):
+        n = self._read("<Q")
+        s = bytes(self.mv[self.off : self.off + n]).decode("utf-8", errors="replace")
+        self.off += n
+        return s
+
+    def _value(self, t):
+        if t == 8:
+            return self._str()
+        if t == 9:
+            et, n = self._read("<I"), self._read("<Q")
+            if et in _NP_SCALAR:  # numeric arrays in one go
+                dt = np.dtype(_NP_SCALAR[et])
+                a = np.frombuffer(self.mv, dt, n, self.off)
+                self.off += n * dt.itemsize
+                return a.tolist()
+            return [self._value(et) for _ in range(n)]
+        if t in _SCALAR:
+            return self._read(_SCALAR[t])
+        raise ValueError(f"unknown GGUF value type {t}")
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -56,22 +100,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 class GGUFSource:
     def __init__(self, path: str):
-        import gguf
-
-        self.path = path
         try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # noqa: BLE001 - gguf raises many kinds on a bad file
+            self.header = _Header(path)
+        except (ValueError, struct.error) as e:
             raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
-        self.fields = {k: _field_value(f) for k, f in self.reader.fields.items()}
+        self.path = path
+        self.fields = self.header.fields
         self.arch = self.fields.get("general.architecture")
         if self.arch not in _ARCH_FAMILY:
             raise ValueError(
                 f"GGUF architecture {self.arch!r} is not supported; supported: {sorted(_ARCH_FAMILY)}"
             )
-        self._tensors = {}
-        for t in self.reader.tensors:
-            self._tensors[self._hf_name(t.name)] = t
+        self._tensors = {self._hf_name(t[0]): t for t in self.header.tensors}
 
     def _hf_name(self, name: str) -> str:
         if name in _TOP_MAP:
@@ -116,23 +156,32 @@ class GGUFSource:
         return set(self._tensors)
 
     def get(self, name: str) -> np.ndarray:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import dequantize
 
-        t = self._tensors[name]
-        tname = t.tensor_type.name
-        if tname not in SUPPORTED_TYPES:
+        tname, dims, type_id, offset = self._tensors[name]
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            qtype = None
+        if qtype is None or qtype.name not in SUPPORTED_TYPES:
             raise ValueError(
-                f"GGUF tensor {t.name!r} has type {tname}, which dspark_jax cannot read; "
-                f"supported types: {sorted(SUPPORTED_TYPES)}"
+                f"GGUF tensor {tname!r} has type {qtype.name if qtype else type_id}, which dspark_jax "
+                f"cannot read; supported types: {sorted(SUPPORTED_TYPES)}"
             )
-        # Dequantise to fp32 (numpy arrays come back as (out, in), i.e. HF layout).
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        shape = [int(d) for d in reversed(dims)]  # ggml lists dims fastest-first
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        row_bytes = shape[-1] // block * type_size
+        start = self.header.data_start + offset
+        raw = self.header.buf[start : start + rows * row_bytes].reshape(rows, row_bytes)
+        # Dequantise to fp32; arrays come back as (out, in), i.e. HF layout.
+        w = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
         a = self.arch
-        if self.arch == "llama":
-            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-                w = _unpermute(w, self.fields[f"{a}.attention.head_count"])
-            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
-                w = _unpermute(w, self.fields.get(f"{a}.attention.head_count_kv",
-                                                  self.fields[f"{a}.attention.head_count"]))
+        if a == "llama":
+            n_head = self.fields[f"{a}.attention.head_count"]
+            if ".self_attn.q_proj." in name:
+                w = _unpermute(w, n_head)
+            elif ".self_attn.k_proj." in name:
+                w = _unpermute(w, self.fields.get(f"{a}.attention.head_count_kv", n_head))
         return w

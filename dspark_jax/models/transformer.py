@@ -84,21 +84,24 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, "embed")
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_ND, k_STKE, v_STKE, lay: PackedLayout, mask_SQT, inv_freq):
+    def qkv(self, x_ND, lay: PackedLayout, inv_freq):
         h = self.input_layernorm(x_ND)
         q = self.self_attn.project_q(h, lay.pos_N, inv_freq)
         k, v = self.self_attn.project_kv(h, lay.pos_N, inv_freq)
-        S = k_STKE.shape[0]
-        # Padding tokens target slot S (out of range) and are dropped by the scatter.
-        ws = jnp.where(lay.valid_N, lay.slot_N, S)
-        k_STKE = k_STKE.at[ws, lay.pos_N].set(k.astype(k_STKE.dtype), mode="drop")
-        v_STKE = v_STKE.at[ws, lay.pos_N].set(v.astype(v_STKE.dtype), mode="drop")
-        q_pad = jnp.concatenate([q, jnp.zeros_like(q[:1])], 0)
+        return q, k, v
+
+    def finish(self, x_ND, q_NHE, k_STKE, v_STKE, lay: PackedLayout, mask_SQT):
+        """Attention of the step's queries over the (already updated) cache, then the MLP."""
+        q_pad = jnp.concatenate([q_NHE, jnp.zeros_like(q_NHE[:1])], 0)
         o_SQHE = attend(q_pad[lay.grid_idx_SQ], k_STKE, v_STKE, mask_SQT)
         o = o_SQHE[lay.slot_N, jnp.minimum(lay.j_N, o_SQHE.shape[1] - 1)]
         x_ND = x_ND + self.self_attn.project_out(o)
-        x_ND = x_ND + self.mlp(self.post_attention_layernorm(x_ND))
-        return x_ND, k_STKE, v_STKE
+        return x_ND + self.mlp(self.post_attention_layernorm(x_ND))
+
+
+def _write_index(lay: PackedLayout, num_slots: int):
+    # Padding tokens target slot S (out of range) and are dropped by the scatter.
+    return jnp.where(lay.valid_N, lay.slot_N, num_slots), lay.pos_N
 
 
 class Transformer(nnx.Module):
@@ -151,12 +154,17 @@ class Transformer(nnx.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         x = self.embed(tokens_N)
         taps = {-1: x} if -1 in feature_layers else {}
+        ws, wp = _write_index(lay, cache.num_slots)
         if cfg.scan_layers:
             gdef, lstate = nnx.split(self.layers)
 
             def body(x, xs):
                 st, k_l, v_l = xs
-                x, k_l, v_l = nnx.merge(gdef, st)(x, k_l, v_l, lay, mask, inv_freq)
+                layer = nnx.merge(gdef, st)
+                q, k, v = layer.qkv(x, lay, inv_freq)
+                k_l = k_l.at[ws, wp].set(k.astype(k_l.dtype), mode="drop")
+                v_l = v_l.at[ws, wp].set(v.astype(v_l.dtype), mode="drop")
+                x = layer.finish(x, q, k_l, v_l, lay, mask)
                 return x, (k_l, v_l, x)
 
             x, (ks, vs, hs) = jax.lax.scan(body, x, (lstate, cache.k, cache.v))
@@ -165,8 +173,12 @@ class Transformer(nnx.Module):
         else:
             ks, vs = cache.k, cache.v
             for i, layer in enumerate(self.layers):
-                x, k_l, v_l = layer(x, ks[i], vs[i], lay, mask, inv_freq)
-                ks, vs = ks.at[i].set(k_l), vs.at[i].set(v_l)
+                q, k, v = layer.qkv(x, lay, inv_freq)
+                # Scatter straight into the stacked buffer: updating a per-layer slice and
+                # writing it back makes XLA copy the whole cache once per layer.
+                ks = ks.at[i, ws, wp].set(k.astype(ks.dtype), mode="drop")
+                vs = vs.at[i, ws, wp].set(v.astype(vs.dtype), mode="drop")
+                x = layer.finish(x, q, ks[i], vs[i], lay, mask)
                 if i in feature_layers:
                     taps[i] = x
             cache = KVCache(ks, vs)

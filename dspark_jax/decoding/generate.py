@@ -1,0 +1,253 @@
+"""`generate()`: the public, batched entry point (autoregressive or speculative).
+
+Host side: render/tokenise prompts, validate, pick static buckets (batch, cache length,
+output buffer, prefill size) so that repeated calls of similar size compile nothing new,
+run the jitted prefill and decode loop (in chunks when stop strings need a host check),
+then detokenise and gather statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.decoding.engine import GenState, LoopSettings, decode_loop, prefill
+from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.models.target import Target
+from dspark_jax.models.transformer import KVCache
+
+POLICIES = (None, "ar", "fixed", "dspark", "threshold")
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    texts: list[str]
+    token_ids: list[list[int]]
+    stats: dict[str, Any]
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    n = max(int(n), minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def encode_prompt(target: Target, prompt) -> list[int]:
+    """A prompt is a string (as is), a list of chat messages (chat template), or token ids."""
+    tok = target.tokenizer
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ValueError("this target has no tokenizer; pass prompts as lists of token ids")
+        ids = tok.encode(prompt)
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        if tok is None:
+            raise ValueError("this target has no tokenizer; chat prompts need one")
+        ids = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=True))
+    elif isinstance(prompt, Sequence | np.ndarray) and all(
+        isinstance(t, int | np.integer) for t in prompt
+    ):
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(
+            "each prompt must be a string, a list of chat messages ({'role', 'content'} dicts) "
+            f"or a list of token ids; got {type(prompt).__name__}"
+        )
+    if not ids:
+        raise ValueError("empty prompt: a prompt needs at least one token")
+    V = target.cfg.vocab_size
+    if min(ids) < 0 or max(ids) >= V:
+        raise ValueError(f"prompt token ids must lie in [0, {V}); got min {min(ids)}, max {max(ids)}")
+    return ids
+
+
+def _normalize_prompts(prompts):
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], dict):
+        return [prompts]  # one chat
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int | np.integer):
+        return [prompts]  # one list of ids
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list")
+    return list(prompts)
+
+
+def _stop_string_cut(tok, ids: list[int], stops: Sequence[str]) -> tuple[list[int], str] | None:
+    """If the decoded text contains a stop string: (ids up to the token completing it, text before it)."""
+    text = tok.decode(ids)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return None
+    at, s = min(hits)
+    end = at + len(s)
+    for n in range(1, len(ids) + 1):  # shortest prefix whose text holds the stop string
+        if len(tok.decode(ids[:n])) >= end:
+            return ids[:n], text[:at]
+    return ids, text[:at]
+
+
+def generate(
+    target: Target,
+    prompts,
+    *,
+    drafter=None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    policy: str | None = None,
+    num_draft: int | None = None,
+    chunk_cycles: int = 16,
+) -> GenerationOutput:
+    """Generates continuations of a batch of prompts; lossless with or without a drafter.
+
+    policy: None / "ar" (autoregressive; the drafter is ignored), "fixed" (verify
+    `num_draft` ≤ γ drafts per cycle; default γ). "dspark" and "threshold" need the
+    confidence scheduler, which is not implemented yet.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if policy in ("dspark", "threshold"):
+        raise NotImplementedError(
+            f"policy {policy!r} needs the confidence scheduler, which is not implemented yet; "
+            "use policy='fixed' with num_draft=k"
+        )
+    if policy == "fixed" and drafter is None:
+        raise ValueError("policy='fixed' needs a drafter")
+    if policy is None and drafter is not None:
+        policy = "fixed"
+    if policy in (None, "ar"):
+        drafter = None
+    K = 0
+    if drafter is not None:
+        K = drafter.block_size if num_draft is None else int(num_draft)
+        if not 0 <= K <= drafter.block_size:
+            raise ValueError(f"num_draft must be in [0, {drafter.block_size}] (the block size), got {K}")
+        if K == 0:
+            drafter = None
+
+    prompts = _normalize_prompts(prompts)
+    B = len(prompts)
+    if sampling is None:
+        sampling = SamplingParams()
+    params = list(sampling) if isinstance(sampling, Sequence) else [sampling] * B
+    if len(params) != B:
+        raise ValueError(f"got {len(params)} SamplingParams for {B} prompts")
+    ids = [encode_prompt(target, p) for p in prompts]
+    cfg = target.cfg
+    for i, (x, sp) in enumerate(zip(ids, params)):
+        if len(x) + sp.max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} has {len(x)} tokens; with max_new_tokens={sp.max_new_tokens} that exceeds "
+                f"the model's context of {cfg.max_position_embeddings} tokens"
+            )
+    if any(sp.stop for sp in params) and target.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+
+    # Static buckets: a later call of similar size reuses the compiled programs.
+    S = next_pow2(B)
+    max_new = max(sp.max_new_tokens for sp in params)
+    T = next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128)
+    O = next_pow2(max_new) + K + 1
+    n_prefill = next_pow2(sum(len(x) for x in ids), 16)
+    q_prefill = next_pow2(max(len(x) for x in ids), 16)
+
+    eos = target.eos_token_ids
+    stops = []
+    for sp in params:
+        s = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
+        if not sp.ignore_eos:
+            s += [t for t in eos if t not in s]
+        stops.append(s)
+    M = max(1, max(len(s) for s in stops))
+    stop_ids = np.full((S, M), -1, np.int32)
+    for i, s in enumerate(stops):
+        stop_ids[i, : len(s)] = s
+
+    pad_params = params + [SamplingParams(temperature=0.0)] * (S - B)
+    sa = SamplingArrays.from_params(pad_params)
+    lens = np.zeros(S, np.int32)
+    lens[:B] = [len(x) for x in ids]
+    tokens = np.zeros(n_prefill, np.int32)
+    tokens[: lens.sum()] = np.concatenate(ids)
+    max_new_arr = np.ones(S, np.int32)
+    max_new_arr[:B] = [sp.max_new_tokens for sp in params]
+    keys = jax.vmap(jax.random.key)(jnp.asarray([sp.seed for sp in pad_params], jnp.uint32))
+    dparams = drafter.params if drafter is not None else None
+    st = GenState(
+        cache=KVCache.zeros(cfg, S, T),
+        dcache=drafter.init_cache(dparams, S, T) if drafter is not None else None,
+        seq_len=jnp.zeros(S, jnp.int32),
+        anchor=jnp.zeros(S, jnp.int32),
+        out=jnp.full((S, O), -1, jnp.int32),
+        n_out=jnp.zeros(S, jnp.int32),
+        done=jnp.asarray(np.arange(S) >= B),
+        max_new=jnp.asarray(max_new_arr),
+        keys=keys,
+        stop_ids=jnp.asarray(stop_ids),
+        cycles=jnp.zeros(S, jnp.int32),
+        tau_sum=jnp.zeros(S, jnp.int32),
+        reached=jnp.zeros((S, K), jnp.int32),
+        accepted_at=jnp.zeros((S, K), jnp.int32),
+    )
+    t0 = time.perf_counter()
+    st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens),
+                 jnp.asarray(lens), sa, q_max=q_prefill)
+    jax.block_until_ready(st.n_out)
+    t1 = time.perf_counter()
+    settings = LoopSettings(num_draft=K, out_len=O)
+    use_host_stops = any(sp.stop for sp in params)
+    cut: dict[int, tuple[list[int], str]] = {}
+    while True:
+        # Without stop strings one call runs to the end; with them, chunks let the host stop early.
+        max_cycles = chunk_cycles if use_host_stops else max_new + 1
+        st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,
+                         jnp.int32(max_cycles), settings=settings)
+        done = np.asarray(st.done)
+        if use_host_stops:
+            out, n_out = np.asarray(st.out), np.asarray(st.n_out)
+            newly = []
+            for i in range(B):
+                if i not in cut and params[i].stop:
+                    c = _stop_string_cut(target.tokenizer, out[i, : n_out[i]].tolist(), params[i].stop)
+                    if c is not None:
+                        cut[i] = c
+                        newly.append(i)
+            if newly:
+                done[newly] = True
+                st = st.replace(done=jnp.asarray(done))
+        if done.all():
+            break
+    t2 = time.perf_counter()
+
+    out, n_out = np.asarray(st.out), np.asarray(st.n_out)
+    token_ids, texts = [], []
+    for i in range(B):
+        if i in cut:
+            token_ids.append(cut[i][0])
+            texts.append(cut[i][1])
+            continue
+        t = out[i, : n_out[i]].tolist()
+        token_ids.append(t)
+        texts.append(target.tokenizer.decode(t) if target.tokenizer is not None else "")
+    n_tok = int(sum(len(t) for t in token_ids))
+    cycles = np.asarray(st.cycles)[:B]
+    stats = {
+        "policy": "ar" if drafter is None else policy,
+        "num_draft": K,
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "new_tokens": n_tok,
+        "tokens_per_s": n_tok / max(t2 - t0, 1e-9),
+        "decode_tokens_per_s": max(n_tok - B, 0) / max(t2 - t1, 1e-9),
+        "cycles": cycles.tolist(),
+        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill},
+    }
+    if drafter is not None:
+        reached = np.asarray(st.reached)[:B].sum(0)
+        acc = np.asarray(st.accepted_at)[:B].sum(0)
+        stats["tau"] = float(np.asarray(st.tau_sum)[:B].sum() / max(cycles.sum(), 1))
+        stats["acceptance_per_position"] = (acc / np.maximum(reached, 1)).tolist()
+    return GenerationOutput(texts, token_ids, stats)
