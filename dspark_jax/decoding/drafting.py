@@ -1,0 +1,142 @@
+"""Drafters as the decoding engine sees them (see `engine.py` for the interface).
+
+- `Drafter`: a loaded DSpark/DFlash drafter (config + split NNX state) with a per-slot
+  context cache of projected target features. Each cycle appends only the features of the
+  tokens just committed (anchor + accepted drafts); block K/V are never kept.
+- `OracleDrafter`: proposes a fixed continuation per request (e.g. the target's own greedy
+  output) — the "almost everything accepted" end of the spectrum, for tests and benchmarks.
+
+Letter legend: S slots, T cache length, G block size γ, N packed tokens, F features, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.decoding.sampling import SamplingArrays
+from dspark_jax.models.draft_heads import sample_block, sts_confidence
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.transformer import KVCache
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: it is a static jit argument
+class Drafter:
+    cfg: DrafterConfig
+    graphdef: Any
+    state: Any
+
+    @classmethod
+    def random(cls, cfg: DrafterConfig, seed: int = 0) -> Drafter:
+        return cls(cfg, *nnx.split(DSparkDrafter(cfg, rngs=nnx.Rngs(seed))))
+
+    @property
+    def params(self):
+        return self.state
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.cfg.target_layer_ids)
+
+    def module(self) -> DSparkDrafter:
+        return nnx.merge(self.graphdef, self.state)
+
+    # --- the engine interface (pure; called inside jit) ---
+    def init_cache(self, params, num_slots: int, length: int) -> KVCache:
+        c = self.cfg
+        shape = (c.num_layers, num_slots, length, c.num_kv_heads, c.head_dim)
+        return KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
+
+    def append(self, params, cache: KVCache, target, feats_NF, slot_N, pos_N, valid_N) -> KVCache:
+        d = nnx.merge(self.graphdef, params)
+        ks, vs = d.context_kv(feats_NF, pos_N)
+        S = cache.k.shape[1]
+        ws = jnp.where(valid_N, slot_N, S)  # invalid → out of range → dropped
+        k = cache.k.at[:, ws, pos_N].set(jnp.stack(ks).astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, ws, pos_N].set(jnp.stack(vs).astype(cache.v.dtype), mode="drop")
+        return KVCache(k, v)
+
+    def draft(self, params, cache: KVCache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays,
+              *, use_scan: bool = True):
+        """→ (tokens [S, G], transformed logits [S, G, V], calibrated confidences [S, G])."""
+        d = nnx.merge(self.graphdef, params)
+        G = self.cfg.block_size
+        T = cache.k.shape[2]
+        x = d.block_inputs(target.embed_tokens[...], anchor_S)  # [S, G, D]
+        pos = anchor_pos_S[:, None] + jnp.arange(G)
+        # Context strictly before the anchor (its features do not exist yet), whole block.
+        ctx = jnp.arange(T)[None, None, :] < anchor_pos_S[:, None, None]
+        mask = jnp.concatenate([jnp.broadcast_to(ctx, (x.shape[0], G, T)),
+                                jnp.ones((x.shape[0], G, G), bool)], -1)
+        h = d.backbone(x, pos, list(cache.k), list(cache.v), mask)
+        U = jnp.einsum("sgd,dv->sgv", h, target.lm_head_matrix(), preferred_element_type=jnp.float32)
+        toks, logits, conf = sample_block(d.head, d.confidence, U, h, anchor_S, keys_S, sa, use_scan=use_scan)
+        return toks, logits, sts_confidence(conf, self.cfg.sts_temperatures)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "tgraph", "use_scan"))
+def draft_block(drafter: Drafter, params, tgraph, tstate, cache, anchor_S, anchor_pos_S, keys_S, sa,
+                use_scan=True):
+    """Jitted drafting of one block for every slot (the engine inlines the same call)."""
+    target = nnx.merge(tgraph, tstate)
+    return drafter.draft(params, cache, target, anchor_S, anchor_pos_S, keys_S, sa, use_scan=use_scan)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "tgraph"), donate_argnames=("cache",))
+def append_features(drafter: Drafter, params, tgraph, tstate, cache, feats_NF, slot_N, pos_N, valid_N):
+    target = nnx.merge(tgraph, tstate)
+    return drafter.append(params, cache, target, feats_NF, slot_N, pos_N, valid_N)
+
+
+@dataclasses.dataclass(eq=False)
+class OracleDrafter:
+    """Drafts `continuations[r][i]` for the token at position prompt_len_r + i (a one-hot draft
+    distribution). With the target's own greedy continuation, greedy verification accepts
+    everything up to where the continuation ends."""
+
+    continuations: np.ndarray  # [S, C] int32 tokens, −1 where unknown
+    prompt_lens: np.ndarray  # [S]
+    block_size: int = 7
+    vocab_size: int = 0
+    feature_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_lists(cls, conts: list[list[int]], prompt_lens: list[int], vocab_size: int, block_size=7):
+        C = max(1, max(len(c) for c in conts)) + block_size + 1
+        arr = np.full((len(conts), C), -1, np.int32)
+        for i, c in enumerate(conts):
+            arr[i, : len(c)] = c
+        return cls(arr, np.asarray(prompt_lens, np.int32), block_size, vocab_size)
+
+    @property
+    def params(self):
+        return (jnp.asarray(self.continuations), jnp.asarray(self.prompt_lens))
+
+    def init_cache(self, params, num_slots, length):
+        return jnp.zeros((num_slots,), jnp.int32)  # stateless
+
+    def append(self, params, cache, target, feats, slot, pos, valid):
+        return cache
+
+    def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa):
+        conts, plen = params
+        S = anchor_S.shape[0]
+        G = self.block_size
+        rows = jnp.arange(S)[:, None] % conts.shape[0]
+        # Token at absolute position anchor_pos + 1 + k is continuation index anchor_pos + 1 + k − prompt_len.
+        idx = anchor_pos_S[:, None] + 1 + jnp.arange(G) - plen[rows[:, 0]][:, None]
+        tok = conts[rows, jnp.clip(idx, 0, conts.shape[1] - 1)]
+        tok = jnp.where((idx >= 0) & (idx < conts.shape[1]) & (tok >= 0), tok, 0)
+        logits = jnp.where(jax.nn.one_hot(tok, self.vocab_size) > 0, 0.0, -jnp.inf)
+        return tok, logits, jnp.ones((S, G), jnp.float32)
