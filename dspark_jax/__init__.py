@@ -6,20 +6,28 @@
 """
 
 from dspark_jax.config import ModelConfig
+from dspark_jax.decoding.drafting import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import GenerationOutput, generate
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.verification import verify
+from dspark_jax.io.drafter_io import load_drafter, save_drafter
 from dspark_jax.io.loading import load_target
+from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.target import Target, logits
 
 __all__ = [
+    "Drafter",
+    "DrafterConfig",
     "GenerationOutput",
+    "OracleDrafter",
     "ModelConfig",
     "SamplingParams",
     "Target",
     "generate",
+    "load_drafter",
     "load_target",
     "logits",
+    "save_drafter",
     "verify",
 ]
 __version__ = "0.1.0"

@@ -108,17 +108,22 @@ def transform_logits(logits, sa: SamplingArrays):
             kk = jnp.clip(jnp.where(k > 0, k, V), 1, V)
             thr = jnp.take_along_axis(srt, kk - 1, axis=-1)
             x = jnp.where(x >= thr, x, NEG_INF)
-            srt = jnp.where(jnp.arange(V) < kk, srt, NEG_INF)
+            # By value, not by position: top-p must renormalise over every token top-k kept,
+            # including those tied with the k-th.
+            srt = jnp.where(srt >= thr, srt, NEG_INF)
         if sa.use_top_p:
             p = jax.nn.softmax(srt, axis=-1)
             before = jnp.cumsum(p, axis=-1) - p
             n_keep = jnp.maximum(jnp.sum(before < per_row(sa.top_p), axis=-1, keepdims=True), 1)
             thr = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-            x = jnp.where(x >= thr, x, NEG_INF)
+            # A row with top_p = 1 (off) keeps everything: in float32 the mass before the
+            # least likely tokens rounds up to 1, which would drop them.
+            x = jnp.where((x >= thr) | (per_row(sa.top_p) >= 1.0), x, NEG_INF)
     if sa.use_min_p:
         m = jnp.max(x, axis=-1, keepdims=True)
-        # p_i >= min_p * p_max  ⇔  x_i >= x_max + log(min_p)
-        x = jnp.where(x >= m + jnp.log(jnp.maximum(per_row(sa.min_p), 1e-30)), x, NEG_INF)
+        mp = per_row(sa.min_p)
+        # p_i >= min_p * p_max  ⇔  x_i >= x_max + log(min_p); min_p = 0 (off) keeps everything.
+        x = jnp.where((x >= m + jnp.log(jnp.maximum(mp, 1e-30))) | (mp <= 0.0), x, NEG_INF)
     return x
 
 

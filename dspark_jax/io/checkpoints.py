@@ -70,7 +70,7 @@ def fill_target_state(abstract_state: nnx.State, get: Callable[[str], np.ndarray
     flat = nnx.to_flat_state(abstract_state)
     used, missing, out = set(), [], []
     for path, var in flat:
-        shape, dtype = var.value.shape, var.value.dtype
+        shape, dtype = var.get_value().shape, var.get_value().dtype
         if scan_layers and path[0] == "layers":
             names = [_hf_name(("layers", i) + tuple(path[1:])) for i in range(num_layers)]
         else:
