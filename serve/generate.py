@@ -8,10 +8,16 @@ speculatively (lossless: greedy output is identical to plain decoding).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
+import jax
+
 import dspark_jax as ds
+
+# Compiled programs are cached on disk, so only the first run of a given shape pays for XLA.
+CACHE_DIR = os.environ.get("DSPARK_XLA_CACHE", os.path.expanduser("~/.cache/dspark_jax/xla"))
 
 
 def main(argv=None) -> int:
@@ -29,14 +35,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
+    ap.add_argument("--scan-layers", action="store_true", help="lax.scan over layers (faster compile)")
+    ap.add_argument("--no-compile-cache", action="store_true", help="do not cache compiled programs on disk")
     args = ap.parse_args(argv)
+    if not args.no_compile_cache:
+        jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     try:
         sampling = ds.SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
         )
         t0 = time.perf_counter()
-        target = ds.load_target(args.model, dtype=args.dtype)
+        target = ds.load_target(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
         drafter = ds.load_drafter(args.drafter, target) if args.drafter else None
         t_load = time.perf_counter() - t0
         prompts = args.prompt if args.raw else [[{"role": "user", "content": p}] for p in args.prompt]

@@ -1,0 +1,1 @@
+"""The training program (`python -m train.main`) is not implemented yet; see README "Status"."""

@@ -99,21 +99,23 @@ def append_features(drafter: Drafter, params, tgraph, tstate, cache, feats_NF, s
     return drafter.append(params, cache, target, feats_NF, slot_N, pos_N, valid_N)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True)
 class OracleDrafter:
     """Drafts `continuations[r][i]` for the token at position prompt_len_r + i (a one-hot draft
     distribution). With the target's own greedy continuation, greedy verification accepts
-    everything up to where the continuation ends."""
+    everything up to where the continuation ends. Equality (the jit cache key) covers only the
+    static fields, so oracles with same-shaped tables share one compiled program."""
 
-    continuations: np.ndarray  # [S, C] int32 tokens, −1 where unknown
-    prompt_lens: np.ndarray  # [S]
+    continuations: np.ndarray = dataclasses.field(compare=False)  # [S, C] int32, −1 = unknown
+    prompt_lens: np.ndarray = dataclasses.field(compare=False)  # [S]
     block_size: int = 7
     vocab_size: int = 0
     feature_layers: tuple[int, ...] = ()
 
     @classmethod
-    def from_lists(cls, conts: list[list[int]], prompt_lens: list[int], vocab_size: int, block_size=7):
-        C = max(1, max(len(c) for c in conts)) + block_size + 1
+    def from_lists(cls, conts: list[list[int]], prompt_lens: list[int], vocab_size: int, block_size=7,
+                   length: int | None = None):
+        C = (length or max(1, max(len(c) for c in conts))) + block_size + 1
         arr = np.full((len(conts), C), -1, np.int32)
         for i, c in enumerate(conts):
             arr[i, : len(c)] = c
