@@ -8,7 +8,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 
-
 @pytest.fixture(scope="session")
 def smollm2():
     """Our loader on the embedded SmolLM2-135M-Instruct GGUF (~5 s)."""
@@ -30,6 +29,9 @@ def hf_smollm2(smollm2_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    # One intra-op thread: on 2 shared cores torch's 2-thread barriers stall whenever another
+    # process holds a core (3x slower generation measured); 1 thread degrades gracefully.
+    torch.set_num_threads(1)
     d, f = os.path.split(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     return model.eval()
@@ -41,3 +43,45 @@ def hf_smollm2_tokenizer(smollm2_path):
 
     d, f = os.path.split(smollm2_path)
     return AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+# --------------------------------------------------------------------------- tiny random models
+
+
+def randomize_state(state, seed: int):
+    """Redraws every parameter: norm scales 1 + 0.2·N, embeddings 0.3·N, the rest 0.1·N.
+
+    `Target.random` draws 0.02·N and unit norms, which gives near-uniform attention and
+    logits of std ~0.1; these scales give peaked attention and logits of std ~2-3, so a
+    wrong position, mask or cache entry shows up far above float32 noise.
+    """
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for path, var in nnx.to_flat_state(state):
+        name = "/".join(str(p) for p in path)
+        shape, dtype = var[...].shape, var[...].dtype
+        if "norm" in name:
+            v = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif "embed" in name or "lm_head" in name:
+            v = 0.3 * rng.standard_normal(shape)
+        else:
+            v = 0.1 * rng.standard_normal(shape)
+        out.append((path, var.replace(jnp.asarray(v, dtype))))
+    return nnx.from_flat_state(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """Factory: a tiny random `Target` (ModelConfig.tiny) with informative weight scales."""
+    import dspark_jax as ds
+
+    def make(family: str = "llama", seed: int = 0, **cfg_kw):
+        t = ds.Target.random(ds.ModelConfig.tiny(family, **cfg_kw), seed=seed)
+        t.state = randomize_state(t.state, seed)
+        return t
+
+    return make

@@ -7,6 +7,8 @@ identity-initialised weight, saves it with `save_pretrained`, loads the director
 standard deviation ~2-3 (fp32 summation-order noise is ~1e-6 here).
 """
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,12 +116,18 @@ def test_llama3_rope_scaling_matches_hf(tmp_path):
 
 def test_sharded_checkpoint(tmp_path):
     model, path = make_hf_checkpoint(tmp_path, "qwen2", save_kw=dict(max_shard_size="50KB"))
-    import os
-
     files = os.listdir(path)
     assert "model.safetensors.index.json" in files
     assert sum(f.endswith(".safetensors") for f in files) > 2
     assert_parity(model, ds.load_target(path), random_ids(20, seed=4)[None])
+
+
+def test_scan_layers_load_matches_hf(tmp_path):
+    """load_target(scan_layers=True) stacks the per-layer HF tensors on a leading axis."""
+    model, path = make_hf_checkpoint(tmp_path, "qwen3")
+    target = ds.load_target(path, scan_layers=True)
+    assert target.cfg.scan_layers
+    assert_parity(model, target, random_ids(37, seed=5)[None])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -91,7 +91,9 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
     first = sample_or_argmax(_fold(st.keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
     is_stop = jnp.any(first[:, None] == st.stop_ids, -1)
     live = ~st.done
-    n_out = jnp.where(live & ~is_stop, 1, 0)
+    # Strongly typed int32: a weak-typed n_out would make the decode loop's first call and
+    # its later chunks (stop strings) two different programs, i.e. a second compile.
+    n_out = jnp.where(live & ~is_stop, 1, 0).astype(jnp.int32)
     return st.replace(
         cache=cache,
         dcache=dcache,

@@ -209,7 +209,7 @@ def generate(
         max_cycles = chunk_cycles if use_host_stops else max_new + 1
         st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,
                          jnp.int32(max_cycles), settings=settings)
-        done = np.asarray(st.done)
+        done = np.array(st.done)  # a writable copy: np.asarray of a jax.Array is read-only
         if use_host_stops:
             out, n_out = np.asarray(st.out), np.asarray(st.n_out)
             newly = []
