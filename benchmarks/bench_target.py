@@ -79,10 +79,11 @@ def packed_curve(target, sizes=(1, 2, 4, 8, 16, 32), requests=(1, 8), ctx=512, c
             toks = jnp.ones(N, jnp.int32)
             q = int(counts.max())
             state = {"cache": cache}
+            counts_j = jnp.asarray(counts)
 
-            def step():
+            def step(state=state, toks=toks, starts=starts, counts=counts_j, q=q):
                 lg, _, state["cache"] = packed_step(target.graphdef, target.state, state["cache"], toks, starts,
-                                                    jnp.asarray(counts), q_max=q)
+                                                    counts, q_max=q)
                 jax.block_until_ready(lg)
 
             ms = time_call(step, reps=7) * 1e3

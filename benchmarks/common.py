@@ -39,7 +39,8 @@ def time_call(fn, *, reps: int = 5, warmup: int = 1) -> float:
 
 def hardware() -> str:
     dev = jax.devices()[0]
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} on {dev.platform}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} on {dev.platform}"
 
 
 def table(headers: list[str], rows: list[list]) -> str:

@@ -6,8 +6,6 @@ import importlib.util
 import json
 import os
 
-from flax import nnx
-
 from dspark_jax.config import ModelConfig
 from dspark_jax.io import tokenizer as tokenizer_lib
 from dspark_jax.io.checkpoints import SafetensorsSource, fill_target_state, unused_tensors
