@@ -39,7 +39,6 @@ class LoopSettings:
     """Static shape settings of one compiled decode loop."""
 
     num_draft: int  # K: drafts verified per request per cycle (0 = autoregressive)
-    out_len: int  # O: output buffer per request (≥ max_new_tokens + K + 1)
 
 
 @struct.dataclass

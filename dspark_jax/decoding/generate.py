@@ -201,7 +201,7 @@ def generate(
                  jnp.asarray(lens), sa, q_max=q_prefill)
     jax.block_until_ready(st.n_out)
     t1 = time.perf_counter()
-    settings = LoopSettings(num_draft=K, out_len=O)
+    settings = LoopSettings(num_draft=K)
     use_host_stops = any(sp.stop for sp in params)
     cut: dict[int, tuple[list[int], str]] = {}
     while True:
