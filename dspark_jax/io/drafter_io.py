@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.drafting import Drafter
-from dspark_jax.models.drafter import abstract_drafter
+from dspark_jax.models.drafter import TargetCopy, abstract_drafter
 from dspark_jax.models.drafter_config import DrafterConfig
 
 FORMAT = "dspark_jax.drafter"
@@ -40,6 +40,9 @@ def _fill(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source: str) -> Dr
     missing, out = [], []
     for path, var in flat:
         name = _flat_name(path)
+        if isinstance(var, TargetCopy):  # runtime copy of target weights: filled by Drafter.bind
+            out.append((path, var.replace(jnp.zeros(var.get_value().shape, var.get_value().dtype))))
+            continue
         if name not in tensors:
             missing.append(name)
             continue
@@ -47,7 +50,7 @@ def _fill(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source: str) -> Dr
         if a.shape != var.get_value().shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {a.shape}, expected {var.get_value().shape}")
         out.append((path, var.replace(jnp.asarray(a, dtype=var.get_value().dtype))))
-    extra = sorted(set(tensors) - {_flat_name(p) for p, _ in flat})
+    extra = sorted(set(tensors) - {_flat_name(p) for p, v in flat if not isinstance(v, TargetCopy)})
     if missing or extra:
         raise ValueError(
             f"{source} does not match the drafter config: "
@@ -83,7 +86,8 @@ def save_drafter(drafter: Drafter, path: str) -> None:
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = {_flat_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.state)}
+    tensors = {_flat_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.state)
+               if not isinstance(v, TargetCopy)}
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(_config_to_json(drafter.cfg), f, indent=2)
@@ -207,7 +211,8 @@ def load_drafter(path: str, target=None) -> Drafter:
         cfg = _config_from_json(d)
         if target is not None:
             cfg.check_compatible(target.cfg)
-        return _fill(cfg, _read_safetensors(path), f"drafter checkpoint {path!r}")
+        drafter = _fill(cfg, _read_safetensors(path), f"drafter checkpoint {path!r}")
+        return drafter.bind(target) if target is not None else drafter
     if "block_size" in d and "target_layer_ids" in d:
         cfg = deepspec_config(d)
         if target is not None:
