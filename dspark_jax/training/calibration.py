@@ -161,9 +161,11 @@ def _per_position_ece(pred, event, observed, n_bins):
     return [ece(pred[:, k], event[:, k], observed[:, k], n_bins) for k in range(pred.shape[1])]
 
 
-def reliability_diagram(path: str, pred_before, pred_after, event, observed, n_bins: int = 15) -> str:
+def reliability_diagram(path: str, pred_before, pred_after, event, observed, n_bins: int = 15,
+                        min_count: int = 10) -> str:
     """Writes a PNG with one panel per draft position: binned survival vs observed rate,
-    before and after calibration (ECE in the legend). Returns `path`."""
+    before and after calibration (ECE, over all bins, in the legend). Bins holding fewer than
+    `min_count` entries are not drawn (their rate is noise). Returns `path`."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -185,7 +187,7 @@ def reliability_diagram(path: str, pred_before, pred_after, event, observed, n_b
             e = event[obs, k]
             b = _bin_index(p, n_bins)
             n = np.bincount(b, minlength=n_bins)
-            keep = n > 0
+            keep = n >= min_count
             x = np.bincount(b, p, n_bins)[keep] / n[keep]
             y = np.bincount(b, e, n_bins)[keep] / n[keep]
             ax.plot(x, y, style, ms=3, label=f"{name} ECE {100 * ece(p, e, None, n_bins):.1f}%")
