@@ -87,13 +87,18 @@ def test_loss_matches_numpy_reference():
                                rtol=2e-5)
 
 
-def _run(workdir, *extra, stage="all", env=None, check=True):
-    cmd = [sys.executable, "-m", "train.main", "--config", os.path.join(ROOT, "configs", "tiny.py"),
-           "--workdir", str(workdir), "--stage", stage, *extra]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return p
+def _run_here(workdir, *extra, stage="train"):
+    """In-process `train.main` (no new interpreter): (exit code, stderr)."""
+    import contextlib
+    import io
+
+    from train.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(workdir),
+                   "--stage", stage, *extra])
+    return rc, err.getvalue()
 
 
 def _metrics(workdir):
@@ -104,7 +109,7 @@ def _metrics(workdir):
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    _run(d, stage="data")
+    assert _run_here(d, stage="data")[0] == 0
     return d
 
 
@@ -116,12 +121,12 @@ def _copy_data(src, dst):
 
 def test_tiny_end_to_end_loss_falls_tau_rises(tiny_data, tmp_path):
     _copy_data(tiny_data, tmp_path)
-    _run(tmp_path, stage="train")
+    assert _run_here(tmp_path)[0] == 0
     m = _metrics(tmp_path)
     first, last = m[0], m[-1]
     assert last["loss"] < first["loss"] - 0.05
     assert last["expected_tau"] > first["expected_tau"]
-    _run(tmp_path, stage="export")
+    assert _run_here(tmp_path, stage="export")[0] == 0
     import dspark_jax as ds
 
     t = ds.Target.random(ds.ModelConfig.tiny(), seed=0)
@@ -149,7 +154,7 @@ def test_sigkill_and_resume_equals_uninterrupted(tiny_data, tmp_path):
     for d in (a, b):
         d.mkdir()
         _copy_data(tiny_data, d)
-    _run(a, "--set", "num_epochs=3", stage="train")
+    assert _run_here(a, "--set", "num_epochs=3")[0] == 0
     # b: killed (SIGKILL, no chance to save) once the step-10 checkpoint exists, then resumed.
     cmd = [sys.executable, "-m", "train.main", "--config", os.path.join(ROOT, "configs", "tiny.py"),
            "--workdir", str(b), "--stage", "train", "--set", "num_epochs=3"]
@@ -161,8 +166,8 @@ def test_sigkill_and_resume_equals_uninterrupted(tiny_data, tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert ck.exists()
-    res = _run(b, "--set", "num_epochs=3", stage="train")
-    assert "resumed from step" in res.stderr
+    rc, err = _run_here(b, "--set", "num_epochs=3")
+    assert rc == 0 and "resumed from step" in err
     pa, pb = _final_params(a), _final_params(b)
     assert pa.keys() == pb.keys()
     for k in pa:
@@ -170,12 +175,14 @@ def test_sigkill_and_resume_equals_uninterrupted(tiny_data, tmp_path):
 
 
 def test_bad_input_clear_errors(tmp_path):
-    p = _run(tmp_path / "empty", stage="train", check=False)
-    assert p.returncode == 2 and "no training data" in p.stderr
-    p = _run(tmp_path / "x", "--set", "num_feature_layers=9", stage="train", check=False)
-    assert p.returncode == 2 and "cannot tap 9" in p.stderr
-    p = _run(tmp_path / "x", "--set", "no_such=1", stage="train", check=False)
-    assert p.returncode == 2 and "no such setting" in p.stderr
+    rc, err = _run_here(tmp_path / "empty")
+    assert rc == 2 and "no training data" in err
+    rc, err = _run_here(tmp_path / "x", "--set", "num_feature_layers=9")
+    assert rc == 2 and "cannot tap 9" in err
+    rc, err = _run_here(tmp_path / "x", "--set", "no_such=1")
+    assert rc == 2 and "no such setting" in err
+    rc, err = _run_here(tmp_path / "x", "--config", os.path.join(ROOT, "configs", "nope.py"))
+    assert rc == 2 and "no config file" in err
     ro = tmp_path / "ro"
     ro.mkdir()
     os.chmod(ro, 0o500)
@@ -183,5 +190,15 @@ def test_bad_input_clear_errors(tmp_path):
         ro = tmp_path / "file"
         ro.write_text("x")
         ro = ro / "sub"
-    p = _run(ro, stage="train", check=False)
-    assert p.returncode == 2 and "not writable" in p.stderr
+    rc, err = _run_here(ro)
+    assert rc == 2 and "not writable" in err
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_data, tmp_path):
+    _copy_data(tiny_data, tmp_path)
+    rc, err = _run_here(tmp_path, "--set", "num_epochs=2")  # 14 steps: checkpoints at 10 and 14
+    assert rc == 0
+    rc, err = _run_here(tmp_path, "--set", "num_epochs=6", "--set", "learning_rate=1e30")
+    assert rc == 2
+    assert "loss is nan at step" in err.lower() and "last good checkpoint (step 14)" in err
+    assert (tmp_path / "ckpt" / "14").exists()

@@ -25,6 +25,9 @@ class TrainConfig:
     regen_temperature: float = 0.7
     regen_top_p: float = 0.8
     regen_top_k: int = 20
+    # Off-policy supplement: this many ShareGPT prompts with the dataset's own answers (no
+    # regeneration cost; only ShareGPT has answers). 0 = on-policy data only.
+    original_answers: int = 0
     # Drafter.
     block_size: int = 7
     num_draft_layers: int = 2

@@ -17,8 +17,8 @@ import dspark_jax as ds
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.training import batches, records
 from dspark_jax.training import train_step as ts
-from dspark_jax.training.prompts import is_heldout, iter_prompts
-from dspark_jax.training.regenerate import regenerate
+from dspark_jax.training.prompts import is_heldout, iter_prompts, sharegpt_pairs
+from dspark_jax.training.regenerate import regenerate, write_original_answers
 from train.config import TrainConfig
 from train.progress import MetricsLog, Progress
 
@@ -57,6 +57,16 @@ def data(cfg: TrainConfig, workdir: str) -> None:
               top_p=cfg.regen_top_p, top_k=cfg.regen_top_k, seed=cfg.seed)
     regenerate(target, held, os.path.join(workdir, "data", "heldout"), **kw)
     regenerate(target, train, os.path.join(workdir, "data", "train"), **kw)
+    if cfg.original_answers:
+        rng = np.random.default_rng(cfg.seed + 1)
+        pairs = [([{"role": "user", "content": q}], a) for q, a in sharegpt_pairs()]
+        pairs = [pairs[i] for i in rng.permutation(len(pairs))]
+        held_key = [p for p, _ in pairs]
+        pairs = [pr for pr, k in zip(pairs, held_key) if not is_heldout(k, cfg.heldout_fraction)]
+        n = write_original_answers(target, pairs[: cfg.original_answers], os.path.join(workdir, "data", "train"),
+                                   max_prompt_tokens=cfg.max_prompt_tokens,
+                                   max_answer_tokens=cfg.regen_max_new_tokens)
+        print(f"[data] original answers: {n}", file=sys.stderr)
     counts = records.token_counts(os.path.join(workdir, "data", "train"), target.cfg.vocab_size)
     np.save(os.path.join(workdir, "data", "token_counts.npy"), counts)
     print(f"[data] {int(counts.sum())} supervised tokens, {int((counts > 0).sum())} distinct", file=sys.stderr)
@@ -93,31 +103,47 @@ class _FeatureCache:
 
         self.dir = os.path.join(workdir, "features")
         os.makedirs(self.dir, exist_ok=True)
-        mode = "r+" if os.path.exists(os.path.join(self.dir, "feats.bin")) else "w+"
+        self.done_path = os.path.join(self.dir, "done.json")
+        meta = {"n": n, "seq_len": seq_len, "feat_dim": feat_dim}
+        old = json.load(open(self.done_path)) if os.path.exists(self.done_path) else None
+        # A cache for another dataset or shape is rebuilt, never reused.
+        fresh = old is None or {k: old.get(k) for k in meta} != meta
+        mode = "w+" if fresh else "r+"
+        self.meta = meta
         bf16 = ml_dtypes.bfloat16
         self.feats = np.memmap(os.path.join(self.dir, "feats.bin"), bf16, mode, shape=(n, seq_len, feat_dim))
         self.last = np.memmap(os.path.join(self.dir, "last.bin"), bf16, mode, shape=(n, seq_len, hidden))
-        self.done_path = os.path.join(self.dir, "done.json")
-        self.done = json.load(open(self.done_path))["rows"] if os.path.exists(self.done_path) else 0
+        self.done = 0 if fresh else old["rows"]
         self.n = n
 
-    def fill(self, target, examples, feature_layers, chunk):
+    def fill(self, target, examples, lengths, feature_layers, chunk, bucket=128):
+        """Runs the target over every sequence, shortest first, each chunk padded only to its
+        longest member (rounded up to `bucket`): padding to the full length wasted ~40%."""
+        order = np.argsort(np.asarray(lengths), kind="stable")
         prog = Progress("features", self.n, unit="seq")
         prog.update(self.done)
         while self.done < self.n:
             hi = min(self.n, self.done + chunk)
-            tok = np.stack([examples[i] for i in range(self.done, hi)])
+            rows = order[self.done:hi]
+            width = min(self.feats.shape[1], -(-max(int(lengths[i]) for i in rows) // bucket) * bucket)
+            tok = np.stack([examples[i][:width] for i in rows])
             pad = chunk - tok.shape[0]
             tok = np.concatenate([tok, np.zeros((pad, tok.shape[1]), tok.dtype)]) if pad else tok
             f, last = ts.compute_target_outputs(target.graphdef, target.state, jnp.asarray(tok),
                                                 feature_layers=feature_layers)
-            self.feats[self.done:hi] = np.asarray(f[: hi - self.done])
-            self.last[self.done:hi] = np.asarray(last[: hi - self.done])
+            # Positions past a sequence's end are never read (no anchor reaches them), but a
+            # row is written whole so that a reused file never mixes two datasets.
+            f, last = np.asarray(f[: len(rows)]), np.asarray(last[: len(rows)])
+            for j, i in enumerate(rows):
+                self.feats[i] = 0
+                self.last[i] = 0
+                self.feats[i, :width] = f[j]
+                self.last[i, :width] = last[j]
             self.feats.flush()
             self.last.flush()
             self.done = hi
             with open(self.done_path, "w") as fh:
-                json.dump({"rows": hi}, fh)
+                json.dump({"rows": hi, **self.meta}, fh)
             prog.update(hi)
 
     def get(self, idx):
@@ -158,16 +184,17 @@ def train(cfg: TrainConfig, workdir: str) -> None:
 
     cache = None
     if cfg.feature_cache:
-        examples = {}
+        examples, lengths = {}, []
         src = records.data_source(data_dir)
         for i in range(n_seq):
             t, _ = records.decode(src[i])
             row = np.zeros(cfg.seq_len, np.int32)
             row[: min(t.size, cfg.seq_len)] = t[: cfg.seq_len]
             examples[i] = row
+            lengths.append(min(t.size, cfg.seq_len))
         L = len(dcfg.target_layer_ids)
         cache = _FeatureCache(workdir, n_seq, cfg.seq_len, L * target.cfg.hidden_size, target.cfg.hidden_size)
-        cache.fill(target, examples, dcfg.target_layer_ids, cfg.batch_size)
+        cache.fill(target, examples, lengths, dcfg.target_layer_ids, cfg.batch_size)
 
     def save(step):
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

@@ -130,7 +130,7 @@ def _update(st: TrainState, tx, dgraph, rest, tgraph, tstate, batch, feats, last
     (loss, metrics), grads = grad_fn(st.params, dgraph, rest, tgraph, tstate, batch, feats, last, decay)
     updates, opt_state = tx.update(grads, st.opt_state, st.params)
     params = optax.apply_updates(st.params, updates)
-    metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+    metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
     return TrainState(st.step + 1, params, opt_state), metrics
 
 
