@@ -47,6 +47,10 @@ class TrainConfig:
     clip_norm: float = 1.0
     feature_cache: bool = True  # offline mode: one target forward per sequence, reused every epoch
     seed: int = 0
+    # Device mesh (data, fsdp, tensor); -1 = all devices the others leave. One device: no mesh.
+    mesh_data: int = -1
+    mesh_fsdp: int = 1
+    mesh_tensor: int = 1
     # Checkpoints and logging.
     checkpoint_every: int = 50
     keep_checkpoints: int = 3

@@ -62,9 +62,12 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config).with_overrides(args.set)
         check_workdir(args.workdir)
+        from dspark_jax.training import distributed
         from train import stages
 
-        with open(os.path.join(args.workdir, "config.json"), "w") as f:
+        distributed.initialize()
+
+        with open(os.path.join(args.workdir, "train_config.json"), "w") as f:
             json.dump({k: v for k, v in cfg.__dict__.items()}, f, indent=1)
         todo = STAGES if args.stage == "all" else (args.stage,)
         for name in todo:

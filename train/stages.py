@@ -15,7 +15,8 @@ from flax import nnx
 
 import dspark_jax as ds
 from dspark_jax.models.drafter import DSparkDrafter
-from dspark_jax.training import batches, records
+from dspark_jax.sharding import TRAINING_RULES, shard_state
+from dspark_jax.training import batches, distributed, records
 from dspark_jax.training import train_step as ts
 from dspark_jax.training.prompts import is_heldout, iter_prompts, sharegpt_pairs
 from dspark_jax.training.regenerate import regenerate, write_original_answers
@@ -147,7 +148,7 @@ class _FeatureCache:
             prog.update(hi)
 
     def get(self, idx):
-        return jnp.asarray(self.feats[idx]), jnp.asarray(self.last[idx])
+        return np.asarray(self.feats[idx]), np.asarray(self.last[idx])
 
 
 def train(cfg: TrainConfig, workdir: str) -> None:
@@ -164,9 +165,12 @@ def train(cfg: TrainConfig, workdir: str) -> None:
     total = steps_per_epoch * cfg.num_epochs
     opt = ts.OptimConfig(cfg.learning_rate, cfg.warmup_fraction, total, cfg.weight_decay, cfg.clip_norm)
     tx = opt.optimizer()
-    model = _init_drafter(cfg, dcfg, workdir)
-    dgraph, params, rest = ts.split_drafter(model)
-    state = ts.init_state(params, tx)
+    mesh = distributed.training_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    if mesh is not None:
+        target.state = shard_state(target.state, mesh, TRAINING_RULES)
+        print(f"[train] mesh {dict(mesh.shape)} over {jax.device_count()} devices, "
+              f"{jax.process_count()} process(es)", file=sys.stderr)
+    dgraph, state, rest = ts.init_sharded(lambda: _init_drafter(cfg, dcfg, workdir), tx, mesh)
     pipeline = batches.dataset(data_dir, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                                num_anchors=cfg.num_anchors, block_size=cfg.block_size, seed=cfg.seed,
                                num_epochs=cfg.num_epochs)
@@ -212,9 +216,9 @@ def train(cfg: TrainConfig, workdir: str) -> None:
     try:
         while step < total:
             batch = next(it)
-            dev = {k: jnp.asarray(batch[k]) for k in ("tokens", "anchors", "block_mask")}
+            dev = {k: distributed.global_array(np.asarray(batch[k]), mesh) for k in ("tokens", "anchors", "block_mask")}
             if cache is not None:
-                feats, last = cache.get(np.asarray(batch["index"]))
+                feats, last = (distributed.global_array(a, mesh) for a in cache.get(np.asarray(batch["index"])))
                 new, m = ts.train_step_cached(state, rest, target.state, dev, feats, last, **kw)
             else:
                 new, m = ts.train_step_online(state, rest, target.state, dev,
