@@ -20,6 +20,7 @@ import numpy as np
 from dspark_jax.decoding import compile_stats
 from dspark_jax.decoding.engine import GenState, LoopSettings, decode_loop, prefill
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.decoding.stop_strings import stop_string_cut
 from dspark_jax.models.target import Target
 from dspark_jax.models.transformer import KVCache
 
@@ -76,20 +77,6 @@ def _normalize_prompts(prompts):
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a non-empty list")
     return list(prompts)
-
-
-def _stop_string_cut(tok, ids: list[int], stops: Sequence[str]) -> tuple[list[int], str] | None:
-    """If the decoded text contains a stop string: (ids up to the token completing it, text before it)."""
-    text = tok.decode(ids)
-    hits = [(text.find(s), s) for s in stops if s in text]
-    if not hits:
-        return None
-    at, s = min(hits)
-    end = at + len(s)
-    for n in range(1, len(ids) + 1):  # shortest prefix whose text holds the stop string
-        if len(tok.decode(ids[:n])) >= end:
-            return ids[:n], text[:at]
-    return ids, text[:at]
 
 
 def generate(
@@ -215,7 +202,7 @@ def generate(
             newly = []
             for i in range(B):
                 if i not in cut and params[i].stop:
-                    c = _stop_string_cut(target.tokenizer, out[i, : n_out[i]].tolist(), params[i].stop)
+                    c = stop_string_cut(target.tokenizer.decode, out[i, : n_out[i]].tolist(), params[i].stop)
                     if c is not None:
                         cut[i] = c
                         newly.append(i)
