@@ -201,6 +201,13 @@ def test_prompt_longer_than_context(tiny):
         (dict(min_p=1.5), r"min_p must be in \[0, 1\].*got 1\.5"),
         (dict(max_new_tokens=0), r"max_new_tokens must be an integer >= 1.*got 0"),
         (dict(stop=("",)), r"stop must be a sequence of non-empty strings"),
+        (dict(temperature="0.7"), r"temperature must be a number, got '0\.7' \(str\)"),
+        (dict(top_p="0.9"), r"top_p must be a number, got '0\.9'"),
+        (dict(min_p=None), r"min_p must be a number, got None"),
+        (dict(max_new_tokens="64"), r"max_new_tokens must be an integer >= 1, got '64'"),
+        (dict(seed=1.5), r"seed must be an integer \(any size\) or None"),
+        (dict(seed="7"), r"seed must be an integer"),
+        (dict(stop_token_ids=(2, "x")), r"stop_token_ids must be a sequence of integers"),
     ],
 )
 def test_bad_sampling_params(kw, pattern):

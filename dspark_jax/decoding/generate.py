@@ -20,6 +20,7 @@ import numpy as np
 from dspark_jax.decoding import compile_stats
 from dspark_jax.decoding.engine import GenState, LoopSettings, decode_loop, prefill
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
 from dspark_jax.models.target import Target
 from dspark_jax.models.transformer import KVCache
@@ -164,7 +165,8 @@ def generate(
     tokens[: lens.sum()] = np.concatenate(ids)
     max_new_arr = np.ones(S, np.int32)
     max_new_arr[:B] = [sp.max_new_tokens for sp in params]
-    keys = jax.vmap(jax.random.key)(jnp.asarray([sp.seed for sp in pad_params], jnp.uint32))
+    seeds = [resolve_seed(sp.seed) for sp in params] + [0] * (S - B)  # padding rows: any fixed key
+    keys = request_keys(seeds)
     dparams = drafter.params if drafter is not None else None
     st = GenState(
         cache=KVCache.zeros(cfg, S, T),
@@ -238,6 +240,7 @@ def generate(
         # Throughput excludes compile time (zero on a warm call with the same buckets).
         "tokens_per_s": n_tok / max(t2 - t0 - compile_s, 1e-9),
         "cycles": cycles.tolist(),
+        "seeds": seeds[:B],  # what each request ran with (drawn fresh where seed=None): rerun with these
         "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill},
     }
     if drafter is not None:
