@@ -164,6 +164,22 @@ def test_gguf_tensor_type_we_cannot_read(tmp_path, type_name):
         ds.load_target(path)
 
 
+@pytest.mark.parametrize("keep", [0.5, 40])  # half the file (in the tensor data), 40 bytes (in the header)
+def test_gguf_truncated_file(tmp_path, keep):
+    path = _write_gguf(tmp_path / "ok.gguf")
+    data = open(path, "rb").read()
+    cut = int(len(data) * keep) if keep < 1 else keep
+    with open(path, "wb") as f:
+        f.write(data[:cut])
+    pattern = (rf"the file is truncated: expected \d+ bytes, got {cut}" if keep < 1
+               else rf"the file is truncated inside its header \(got {cut} bytes\)")
+    with pytest.raises(ValueError, match=pattern) as e:
+        ds.load_target(path)
+    if keep < 1:
+        expected = int(str(e.value).split("expected ")[1].split()[0])
+        assert cut < expected <= len(data)
+
+
 def test_gguf_unsupported_architecture(tmp_path):
     import gguf
 

@@ -89,12 +89,17 @@ def generate(
     policy: str | None = None,
     num_draft: int | None = None,
     chunk_cycles: int = 16,
+    prefill_chunk: int = 512,
 ) -> GenerationOutput:
     """Generates continuations of a batch of prompts; lossless with or without a drafter.
 
     policy: None / "ar" (autoregressive; the drafter is ignored), "fixed" (verify
     `num_draft` ≤ γ drafts per cycle; default γ). "dspark" and "threshold" need the
     confidence scheduler, which is not implemented yet.
+
+    prefill_chunk: prompt tokens per prefill step (a static size). Prefill memory grows with
+    chunk × cache length rather than prompt × cache length; 512 keeps a SmolLM2 prompt at its
+    full 8k context well inside a few GB.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -140,10 +145,15 @@ def generate(
     # Static buckets: a later call of similar size reuses the compiled programs.
     S = next_pow2(B)
     max_new = max(sp.max_new_tokens for sp in params)
-    T = next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128)
+    # Capped at the context: a prompt that fits the model never gets a cache twice its size.
+    # Positions past the cap are only ever written by scratch drafts beyond max_new (dropped).
+    T = min(next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128), cfg.max_position_embeddings)
     O = next_pow2(max_new) + K + 1
     n_prefill = next_pow2(sum(len(x) for x in ids), 16)
     q_prefill = next_pow2(max(len(x) for x in ids), 16)
+    if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+        raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+    chunk = min(prefill_chunk, n_prefill)
 
     eos = target.eos_token_ids
     stops = []
@@ -187,7 +197,7 @@ def generate(
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
     st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens),
-                 jnp.asarray(lens), sa, q_max=q_prefill)
+                 jnp.asarray(lens), sa, q_max=q_prefill, chunk=chunk)
     jax.block_until_ready(st.n_out)
     t1 = time.perf_counter()
     settings = LoopSettings(num_draft=K)
@@ -241,7 +251,8 @@ def generate(
         "tokens_per_s": n_tok / max(t2 - t0 - compile_s, 1e-9),
         "cycles": cycles.tolist(),
         "seeds": seeds[:B],  # what each request ran with (drawn fresh where seed=None): rerun with these
-        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill},
+        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill,
+                    "prefill_chunk": chunk},
     }
     if drafter is not None:
         reached = np.asarray(st.reached)[:B].sum(0)
