@@ -24,6 +24,45 @@ def eval_prompts(name: str, n: int) -> list[str]:
     return [r["turns"][0] for r in rows[:n]]
 
 
+def machine_load() -> str:
+    """The 1/5/15-minute load averages against the core count: numbers from a loaded machine
+    (a load above the core count) are slower and noisier, so every table records it."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min) on {os.cpu_count()} cores"
+
+
+def interleaved(configs: dict, *, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times (s) of each config's fn(), run round-robin `repeats` times.
+
+    Interleaving spreads a change in machine load over every config instead of biasing the
+    ones that happened to run during it; the order rotates each round so no config always
+    runs first (right after another config has evicted its caches). fn must block on its result.
+    """
+    names = list(configs)
+    for _ in range(warmup):
+        for n in names:
+            configs[n]()
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            t = time.perf_counter()
+            configs[n]()
+            times[n].append(time.perf_counter() - t)
+    return times
+
+
+def median(xs) -> float:
+    ys = sorted(xs)
+    m = len(ys) // 2
+    return ys[m] if len(ys) % 2 else 0.5 * (ys[m - 1] + ys[m])
+
+
+def spread(xs, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    """"median (min–max)" of xs × scale: the spread says how far to trust the median."""
+    ys = [x * scale for x in xs]
+    return f"{fmt.format(median(ys))} ({fmt.format(min(ys))}–{fmt.format(max(ys))})"
+
+
 def time_call(fn, *, reps: int = 5, warmup: int = 1) -> float:
     """Median wall time (s) of fn() after warm-up; fn must block on its result."""
     for _ in range(warmup):

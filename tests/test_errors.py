@@ -60,8 +60,9 @@ def test_unsupported_rope_scaling():
 
 
 def _tiny_hf_checkpoint(path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    torch = pytest.importorskip("torch")  # the `parity` extra writes the HF checkpoint
+    transformers = pytest.importorskip("transformers")
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
