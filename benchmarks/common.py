@@ -9,16 +9,17 @@ import time
 
 import jax
 
-EVAL_DIR = os.environ.get(
-    "DSPARK_EVAL_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "eval_data")
-)
+# The prompt sets ship in the repository (benchmarks/data/README.md: sources and licences);
+# DSPARK_EVAL_DATA points at another folder of the same format.
+EVAL_DIR = os.environ.get("DSPARK_EVAL_DATA", os.path.join(os.path.dirname(__file__), "data"))
 
 
 def eval_prompts(name: str, n: int) -> list[str]:
-    """First-turn prompts of ../shared/eval_data/{name}.jsonl (read at run time, never copied)."""
+    """The first turns of the first n prompts of benchmarks/data/{name}.jsonl (gsm8k, humaneval, mt-bench)."""
     path = os.path.join(EVAL_DIR, f"{name}.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path!r} not found; set DSPARK_EVAL_DATA to the eval_data folder")
+        have = sorted(f[:-6] for f in os.listdir(EVAL_DIR) if f.endswith(".jsonl")) if os.path.isdir(EVAL_DIR) else []
+        raise FileNotFoundError(f"no prompt set {name!r} at {path!r}; available: {have}")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r["turns"][0] for r in rows[:n]]
