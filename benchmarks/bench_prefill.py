@@ -3,7 +3,9 @@
 Each prompt length runs in its own child process, so the peak resident memory reported
 (`resource.getrusage(...).ru_maxrss`: model load, buffers and XLA's workspace) belongs to
 that length alone. In the child: one warm-up call (compiles the bucket), then `--repeats`
-timed calls; prefill tokens/s = prompt tokens / the `prefill_s` of a warm call.
+timed calls; prefill tokens/s = prompt tokens / the `prefill_s` of a warm call. With
+`--repeats 0` only the first call runs and its compile time is subtracted (an estimate, for
+lengths too slow to repeat on a small machine).
 
     python -m benchmarks.bench_prefill [--lengths 512 2048 8184] [--repeats 3] [--chunk 512]
 
@@ -34,6 +36,7 @@ def child(length: int, repeats: int, chunk: int) -> dict:
     secs = [ds.generate(target, [prompt], sampling=sp, prefill_chunk=chunk).stats["prefill_s"]
             for _ in range(repeats)]
     return {"length": length, "prefill_s": secs, "first_call_s": warm.stats["prefill_s"],
+            "compile_s": warm.stats["compile_s"],
             "cache_len": warm.stats["buckets"]["cache_len"],
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -56,9 +59,13 @@ def main():
                               "--repeats", str(args.repeats), "--chunk", str(args.chunk)],
                              capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        tps = [n / s for s in r["prefill_s"]]
-        rows.append([n, r["cache_len"], spread(tps, fmt="{:.0f}"), f"{median(r['prefill_s']):.2f}",
-                     f"{r['first_call_s']:.1f}", f"{r['peak_rss_gb']:.2f}"])
+        if r["prefill_s"]:
+            tps = spread([n / s for s in r["prefill_s"]], fmt="{:.0f}")
+            secs = f"{median(r['prefill_s']):.2f}"
+        else:  # --repeats 0: only the first call, less all compile time of the call (an estimate)
+            est = r["first_call_s"] - r.get("compile_s", 0.0)
+            tps, secs = f"≈{n / est:.0f} (1 run)", f"≈{est:.1f}"
+        rows.append([n, r["cache_len"], tps, secs, f"{r['first_call_s']:.1f}", f"{r['peak_rss_gb']:.2f}"])
         print(rows[-1], flush=True)
     print(f"\n# after: {machine_load()}; {args.repeats} warm calls per length\n")
     print(table(["prompt tokens", "cache length", "prefill tokens/s, median (min–max)", "prefill s",
