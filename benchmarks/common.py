@@ -64,19 +64,6 @@ def spread(xs, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(median(ys))} ({fmt.format(min(ys))}–{fmt.format(max(ys))})"
 
 
-def time_call(fn, *, reps: int = 5, warmup: int = 1) -> float:
-    """Median wall time (s) of fn() after warm-up; fn must block on its result."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def hardware() -> str:
     dev = jax.devices()[0]
     cpu = platform.processor() or platform.machine()

@@ -3,7 +3,7 @@
 Letter legend: S request slots, K verified drafts per cycle (max), N packed tokens
 (= S·(K+1)), T cache length, O output buffer, V vocab, F tapped target features.
 
-One cycle (DESIGN.md §3): draft → choose ℓ_r ≤ K per slot → pack [anchor, d_1..d_ℓ] of
+One cycle (docs/method.md §5, docs/architecture.md): draft → choose ℓ_r ≤ K per slot → pack [anchor, d_1..d_ℓ] of
 every slot into one static bucket → one packed target step (logits + features) →
 verify → commit (rejected cache positions are overwritten later, never read) → append the
 features of anchor + accepted drafts to the drafter's context cache → the last emitted
