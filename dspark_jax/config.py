@@ -35,6 +35,10 @@ def hf_rope(hf: dict[str, Any], source: str = "config.json") -> tuple[float | No
     for name, v in (("rope_parameters", params), ("rope_scaling", scaling)):
         if v is not None and not isinstance(v, dict):
             raise ValueError(f"{source}: {name} must be a JSON object, got {v!r}")
+    if params and any(isinstance(v, dict) for v in params.values()):
+        # transformers 5 nests RoPE per attention type for models that mix them (e.g. Gemma).
+        raise ValueError(f"{source}: per-layer-type rope_parameters ({sorted(params)}) are not supported; "
+                         "supported families use one RoPE for every layer")
     theta = hf.get("rope_theta")
     if theta is None and params:
         theta = params.get("rope_theta")

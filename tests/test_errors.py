@@ -59,6 +59,21 @@ def test_unsupported_rope_scaling():
         ds.ModelConfig.from_hf_dict(hf)
 
 
+def test_rope_parameters_layouts():
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128}
+    cfg = ds.ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+    cfg = ds.ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear",
+                                                                   "factor": 2.0}})
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling == (("factor", 2.0), ("rope_type", "linear"))
+    nested = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="per-layer-type rope_parameters"):
+        ds.ModelConfig.from_hf_dict({**base, "rope_parameters": nested})
+    with pytest.raises(ValueError, match=r"rope_theta must be a positive number, got '1e6'"):
+        ds.ModelConfig.from_hf_dict({**base, "rope_theta": "1e6"})
+
+
 def _tiny_hf_checkpoint(path):
     torch = pytest.importorskip("torch")  # the `parity` extra writes the HF checkpoint
     transformers = pytest.importorskip("transformers")
