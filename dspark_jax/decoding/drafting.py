@@ -33,9 +33,44 @@ class Drafter:
     graphdef: Any
     state: Any
 
+    def __post_init__(self):
+        if self.cfg.draft_vocab_size:
+            ids = self.state["draft_ids"].get_value()
+            if isinstance(ids, jax.ShapeDtypeStruct):
+                return  # abstract (eval_shape): nothing to check yet
+            ids = np.asarray(ids)
+            V = self.cfg.vocab_size
+            if ids.shape != (self.cfg.draft_vocab_size,):
+                raise ValueError(f"draft_ids has shape {ids.shape}, expected ({self.cfg.draft_vocab_size},)")
+            if ids.min() < 0 or ids.max() >= V:
+                raise ValueError(
+                    f"draft vocabulary ids must lie in [0, {V}) (the target's vocabulary); "
+                    f"got min {ids.min()}, max {ids.max()}"
+                )
+            if len(np.unique(ids)) != len(ids):
+                raise ValueError("draft vocabulary ids must be distinct")
+        self._bound_to = None
+
+    def bind(self, target) -> Drafter:
+        """Fills the runtime copy of the target's LM head restricted to the draft vocabulary
+        (once per target; gathered here so that no decode step pays for the gather)."""
+        if self.cfg.draft_vocab_size and self._bound_to is not target.state:
+            ids = jnp.asarray(self.state["draft_ids"].get_value())
+            lm = target.module().lm_head_matrix()
+            var = self.state["draft_lm_head"]
+            var.set_value(jnp.take(lm, ids, axis=1).astype(var.get_value().dtype))
+            self._bound_to = target.state
+        return self
+
     @classmethod
-    def random(cls, cfg: DrafterConfig, seed: int = 0) -> Drafter:
-        return cls(cfg, *nnx.split(DSparkDrafter(cfg, rngs=nnx.Rngs(seed))))
+    def random(cls, cfg: DrafterConfig, seed: int = 0, draft_ids=None) -> Drafter:
+        """Random weights; `draft_ids` [V′] sets the draft vocabulary (default: ids 0..V′−1)."""
+        model = DSparkDrafter(cfg, rngs=nnx.Rngs(seed))
+        if draft_ids is not None:
+            if not cfg.draft_vocab_size:
+                raise ValueError("draft_ids given but the config has draft_vocab_size=0")
+            model.draft_ids.set_value(jnp.asarray(np.asarray(draft_ids), jnp.int32))
+        return cls(cfg, *nnx.split(model))
 
     @property
     def params(self):
@@ -80,8 +115,12 @@ class Drafter:
         mask = jnp.concatenate([jnp.broadcast_to(ctx, (x.shape[0], G, T)),
                                 jnp.ones((x.shape[0], G, G), bool)], -1)
         h = d.backbone(x, pos, list(cache.k), list(cache.v), mask)
-        U = jnp.einsum("sgd,dv->sgv", h, target.lm_head_matrix(), preferred_element_type=jnp.float32)
-        toks, logits, conf = sample_block(d.head, d.confidence, U, h, anchor_S, keys_S, sa, use_scan=use_scan)
+        ids = d.proposal_ids
+        head = target.lm_head_matrix() if ids is None else d.draft_lm_head[...]  # [D, V′]
+        U = jnp.einsum("sgd,dv->sgv", h, head, preferred_element_type=jnp.float32)
+        toks, logits, conf = sample_block(d.head, d.confidence, U, h, anchor_S, keys_S, sa, draft_ids=ids,
+                                          vocab_size=self.cfg.vocab_size, topk=self.cfg.draft_topk,
+                                          use_scan=use_scan)
         return toks, logits, sts_confidence(conf, self.cfg.sts_temperatures)
 
 

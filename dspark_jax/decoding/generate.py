@@ -117,6 +117,7 @@ def generate(
     K = 0
     if drafter is not None and hasattr(drafter, "cfg"):
         drafter.cfg.check_compatible(target.cfg)
+        drafter.bind(target)
     if drafter is not None:
         K = drafter.block_size if num_draft is None else int(num_draft)
         if not 0 <= K <= drafter.block_size:

@@ -34,8 +34,23 @@ def _probs(logits):
     return jnp.where(ok, p, 0.0), ok[..., 0]
 
 
+def _verify_greedy(draft_tokens, target_logits, num_verify):
+    """All rows greedy: argmax comparisons only (no softmax, no draws over V)."""
+    R, K = draft_tokens.shape
+    top = jnp.argmax(target_logits, -1).astype(jnp.int32)  # [R, K+1]
+    acc = (draft_tokens == top[:, :K]) & (jnp.arange(K)[None] < num_verify[:, None])
+    accepted = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), axis=1), axis=1)
+    j = jnp.arange(K + 1)[None]
+    drafts = jnp.concatenate([draft_tokens, jnp.zeros((R, 1), jnp.int32)], 1)
+    last = top[jnp.arange(R), accepted]
+    emitted = jnp.where(j < accepted[:, None], drafts, jnp.where(j == accepted[:, None], last[:, None], -1))
+    return accepted, emitted.astype(jnp.int32)
+
+
 def verify(keys, draft_tokens, draft_logits, target_logits, num_verify, sa: SamplingArrays):
     R, K = draft_tokens.shape
+    if sa.all_greedy:
+        return _verify_greedy(draft_tokens, target_logits, num_verify)
     greedy = sa.greedy  # [R]
     tgt_t = transform_logits(target_logits, sa)  # [R, K+1, V]
     p_t, _ = _probs(tgt_t)

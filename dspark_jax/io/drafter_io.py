@@ -24,7 +24,7 @@ from flax import nnx
 from dspark_jax.config import ModelConfig, hf_rope
 from dspark_jax.decoding.drafting import Drafter
 from dspark_jax.io.json_fields import Fields, read_json_object
-from dspark_jax.models.drafter import abstract_drafter
+from dspark_jax.models.drafter import TargetCopy, abstract_drafter
 from dspark_jax.models.drafter_config import DrafterConfig
 
 FORMAT = "dspark_jax.drafter"
@@ -43,6 +43,9 @@ def _fill(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source: str) -> Dr
     missing, out = [], []
     for path, var in flat:
         name = _flat_name(path)
+        if isinstance(var, TargetCopy):  # runtime copy of target weights: filled by Drafter.bind
+            out.append((path, var.replace(jnp.zeros(var.get_value().shape, var.get_value().dtype))))
+            continue
         if name not in tensors:
             missing.append(name)
             continue
@@ -50,7 +53,7 @@ def _fill(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source: str) -> Dr
         if a.shape != var.get_value().shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {a.shape}, expected {var.get_value().shape}")
         out.append((path, var.replace(jnp.asarray(a, dtype=var.get_value().dtype))))
-    extra = sorted(set(tensors) - {_flat_name(p) for p, _ in flat})
+    extra = sorted(set(tensors) - {_flat_name(p) for p, v in flat if not isinstance(v, TargetCopy)})
     if missing or extra:
         raise ValueError(
             f"{source} does not match the drafter config: "
@@ -76,7 +79,8 @@ _OUR_FIELDS = (
     ("rms_norm_eps", "float", True), ("block_size", "int", True), ("num_layers", "int", True),
     ("target_layer_ids", "int_list", True), ("markov_rank", "int", True), ("head_type", "str", True),
     ("confidence_head", "bool", True), ("confidence_with_markov", "bool", True),
-    ("loss_decay", "float", False), ("sts_temperatures", "float_list", False), ("dtype", "str", False),
+    ("loss_decay", "float", False), ("sts_temperatures", "float_list", False),
+    ("draft_vocab_size", "int", False), ("draft_topk", "int", False), ("dtype", "str", False),
 )
 
 
@@ -114,7 +118,8 @@ def save_drafter(drafter: Drafter, path: str) -> None:
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = {_flat_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.state)}
+    tensors = {_flat_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.state)
+               if not isinstance(v, TargetCopy)}
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(_config_to_json(drafter.cfg), f, indent=2)
@@ -318,7 +323,8 @@ def load_drafter(path: str, target=None) -> Drafter:
         if target is not None:
             cfg.check_compatible(target.cfg)
             check_rope_matches(cfg, target.cfg, source)
-        return _fill(cfg, _read_safetensors(path), f"drafter checkpoint {path!r}")
+        drafter = _fill(cfg, _read_safetensors(path), f"drafter checkpoint {path!r}")
+        return drafter.bind(target) if target is not None else drafter
     cfg = deepspec_config(d, target.cfg if target is not None else None, source)
     embed = lm = None
     if target is not None:

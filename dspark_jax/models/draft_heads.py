@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.decoding.sampling import SamplingArrays, sample_or_argmax, transform_logits
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.layers import Linear, param
+from dspark_jax.sampling_transform import SamplingArrays, sample_or_argmax, transform_logits
 
 
 class SequentialHead(nnx.Module):
@@ -28,8 +28,10 @@ class SequentialHead(nnx.Module):
         self.kind = cfg.head_type
         self.rank = r = cfg.rank
         dt, D, V = cfg.dtype, cfg.hidden_size, cfg.vocab_size
+        # W1 covers every token (the previous token can be any target token); W2 only the
+        # tokens the drafter proposes (V′ with a draft vocabulary).
         self.w1 = param(rngs, (V, r), ("vocab", "rank"), dt) if r else None
-        self.w2 = param(rngs, (r, V), ("rank", "vocab"), dt) if r else None
+        self.w2 = param(rngs, (r, cfg.proposal_vocab_size), ("rank", "vocab"), dt) if r else None
         self.gate_proj = Linear(D + r, r, ("embed", "rank"), rngs=rngs, dtype=dt, bias=True) \
             if self.kind == "gated" else None
         self.joint_proj = Linear(2 * r + D, 3 * r, ("embed", "rank"), rngs=rngs, dtype=dt, bias=True) \
@@ -44,22 +46,25 @@ class SequentialHead(nnx.Module):
     def init_state(self, batch_shape):
         return jnp.zeros(tuple(batch_shape) + ((self.rank,) if self.kind == "rnn" else (0,)), jnp.float32)
 
-    def step(self, state, prev, h):
-        """(state, x_{k−1} [...], h_k [..., D]) → (state', bias [..., V] fp32, W1[x_{k−1}])."""
+    def latent(self, state, prev, h):
+        """(state, x_{k−1} [...], h_k [..., D]) → (state', latent [..., R], W1[x_{k−1}]); the bias is latent·W2."""
         emb = self.prev_embedding(prev)
+        if self.kind in ("none", "markov"):
+            return state, emb, emb
+        if self.kind == "gated":
+            return state, jax.nn.sigmoid(self.gate_proj(jnp.concatenate([h, emb], -1))) * emb, emb
+        z = jnp.concatenate([state.astype(h.dtype), emb, h], -1)  # rnn
+        g, c, o = jnp.split(self.joint_proj(z), 3, axis=-1)
+        g = jax.nn.sigmoid(g.astype(jnp.float32))
+        state = g * state + (1.0 - g) * jnp.tanh(c.astype(jnp.float32))
+        return state, jnp.tanh(o), emb
+
+    def step(self, state, prev, h):
+        """(state, x_{k−1} [...], h_k [..., D]) → (state', bias [..., V′] fp32, W1[x_{k−1}])."""
+        state, lat, emb = self.latent(state, prev, h)
         if self.kind == "none":
             return state, jnp.zeros((), jnp.float32), emb  # broadcasts onto U
-        if self.kind == "markov":
-            latent = emb
-        elif self.kind == "gated":
-            latent = jax.nn.sigmoid(self.gate_proj(jnp.concatenate([h, emb], -1))) * emb
-        else:  # rnn
-            z = jnp.concatenate([state.astype(h.dtype), emb, h], -1)
-            g, c, o = jnp.split(self.joint_proj(z), 3, axis=-1)
-            g = jax.nn.sigmoid(g.astype(jnp.float32))
-            state = g * state + (1.0 - g) * jnp.tanh(c.astype(jnp.float32))
-            latent = jnp.tanh(o)
-        bias = jnp.einsum("...r,rv->...v", latent, self.w2[...], preferred_element_type=jnp.float32)
+        bias = jnp.einsum("...r,rv->...v", lat, self.w2[...], preferred_element_type=jnp.float32)
         return state, bias, emb
 
     @property
@@ -86,22 +91,54 @@ def sts_confidence(conf_logit, sts_temperatures):
 
 
 def sample_block(head: SequentialHead, conf: ConfidenceHead | None, U_SGV, h_SGD, anchor_S, keys_S,
-                 sa: SamplingArrays, *, use_scan: bool = True):
+                 sa: SamplingArrays, *, draft_ids=None, vocab_size: int | None = None, topk: int = 0,
+                 use_scan: bool = True):
     """Samples x_1..x_γ left to right from p_k = transform(U_k + B_k(x0, x<k)).
 
-    Returns (tokens [S, G], transformed logits [S, G, V] that each token was drawn from,
-    raw confidence logits [S, G] — zeros without a confidence head). Position k uses the
-    key fold_in(keys_S, k), so scan and loop draw identical tokens.
+    U_SGV holds the parallel logits over the proposal vocabulary V′: all V tokens, or the
+    draft vocabulary `draft_ids` [V′] (target ids). With `topk` (static, 0 < topk < V′) the
+    bias is added to the `topk` best entries of U_k only (gathering those W2 columns) and the
+    rest are -inf. Returns (tokens [S, G] target ids, transformed logits [S, G, V] that each
+    token was drawn from — -inf outside what could be proposed —, raw confidence logits
+    [S, G], zeros without a confidence head). Position k uses the key fold_in(keys_S, k), so
+    scan and loop draw identical tokens.
     """
-    S, G, _ = U_SGV.shape
+    S, G, Vp = U_SGV.shape
+    V = vocab_size or Vp
+    truncate = 0 < topk < Vp
+
+    def to_vocab(idx):  # proposal index → target token id
+        return idx if draft_ids is None else draft_ids[idx]
 
     def step(carry, xs):
         prev, state = carry
         U_k, h_k, k = xs
-        state, bias, emb = head.step(state, prev, h_k)
-        logits = U_k.astype(jnp.float32) + bias
+        state, lat, emb = head.latent(state, prev, h_k)
+        if truncate:
+            vals, cand = jax.lax.top_k(U_k.astype(jnp.float32), topk)  # [S, k]
+            if head.kind == "none":
+                logits = vals
+            else:
+                w2 = jnp.take(head.w2[...], cand, axis=1)  # [R, S, k]
+                logits = vals + jnp.einsum("sr,rsk->sk", lat, w2, preferred_element_type=jnp.float32)
+        else:
+            cand = None
+            logits = U_k.astype(jnp.float32)
+            if head.kind != "none":
+                logits = logits + jnp.einsum("sr,rv->sv", lat, head.w2[...], preferred_element_type=jnp.float32)
         t = transform_logits(logits, sa)
-        tok = sample_or_argmax(jax.vmap(jax.random.fold_in, (0, None))(keys_S, k), logits, t, sa.greedy)
+        j = sample_or_argmax(jax.vmap(jax.random.fold_in, (0, None))(keys_S, k), logits, t, sa.greedy,
+                             sa.all_greedy)
+        if truncate:
+            j = jnp.take_along_axis(cand, j[:, None], 1)[:, 0]
+        tok = to_vocab(j).astype(jnp.int32)
+        # Scatter into the full vocabulary: q = 0 (-inf) wherever the drafter cannot propose.
+        if truncate:
+            cols = to_vocab(cand)
+        else:
+            cols = None if draft_ids is None else jnp.broadcast_to(draft_ids, (S, Vp))
+        if cols is not None:
+            t = jnp.full((S, V), -jnp.inf, jnp.float32).at[jnp.arange(S)[:, None], cols].set(t)
         c = conf.logit(h_k, emb) if conf is not None else jnp.zeros((S,), jnp.float32)
         return (tok, state), (tok, t, c)
 

@@ -24,6 +24,15 @@ from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.layers import MLP, Attention, Linear, RMSNorm, attend, param, rope_inv_freq
 
 
+class DraftVocab(nnx.Variable):
+    """Target token ids of the draft vocabulary [V′]: saved with the drafter, never trained."""
+
+
+class TargetCopy(nnx.Variable):
+    """A runtime copy of target weights (its LM head restricted to the draft vocabulary,
+    [D, V′]): filled from the target at load (`Drafter.bind`), never saved, never trained."""
+
+
 class DraftLayer(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, rngs):
         lc = cfg.layer_config()
@@ -54,6 +63,20 @@ class DSparkDrafter(nnx.Module):
         self.mask_embedding = param(rngs, (D,), ("embed",), dt)
         self.head = SequentialHead(cfg, rngs=rngs)
         self.confidence = ConfidenceHead(cfg, rngs=rngs) if cfg.confidence_head else None
+        if cfg.draft_vocab_size:
+            self.draft_ids = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
+            self.draft_lm_head = TargetCopy(jnp.zeros((D, cfg.draft_vocab_size), dt))
+
+    @property
+    def proposal_ids(self):
+        """[V′] target ids the drafter proposes, or None for the full vocabulary."""
+        return self.draft_ids[...] if self.cfg.draft_vocab_size else None
+
+    def proposal_head(self, lm_head_DV):
+        """The LM head over the proposal vocabulary: [D, V′]. `lm_head_DV` is the target's
+        full head (used as is without a draft vocabulary, gathered in training)."""
+        ids = self.proposal_ids
+        return lm_head_DV if ids is None else jnp.take(lm_head_DV, ids, axis=1)
 
     def inv_freq(self):
         return rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, dict(self.cfg.rope_scaling or ()))
@@ -108,7 +131,7 @@ def forward_train(drafter: DSparkDrafter, embed_VD, lm_head_DV, feats_BTF, token
     pos = (anchors_BA[..., None] + jnp.arange(G)).reshape(B, A * G)
     mask = training_attention_mask(anchors_BA, T, G)
     h = drafter.backbone(x, pos, ctx_k, ctx_v, mask).reshape(B, A, G, -1)
-    U = jnp.einsum("bagd,dv->bagv", h, lm_head_DV, preferred_element_type=jnp.float32)
+    U = jnp.einsum("bagd,dv->bagv", h, drafter.proposal_head(lm_head_DV), preferred_element_type=jnp.float32)
     # Position k's previous token is the ground truth at anchor + k (k = 0: the anchor).
     prev = jnp.take_along_axis(tokens_BT, jnp.clip(pos, 0, T - 1), 1).reshape(B * A, G)
     logits, conf = teacher_forced(drafter.head, drafter.confidence, U.reshape(B * A, G, -1),
@@ -124,7 +147,7 @@ def count_trainable(cfg: DrafterConfig) -> int:
     layer = D * H * E + 2 * D * K * E + H * E * D + 2 * E + 3 * D * F + 2 * D
     total = n * D * D + D + cfg.num_layers * layer + D + D
     if r:
-        total += 2 * cfg.vocab_size * r
+        total += (cfg.vocab_size + cfg.proposal_vocab_size) * r
         if cfg.head_type == "gated":
             total += (D + r) * r + r
         if cfg.head_type == "rnn":

@@ -46,6 +46,13 @@ class DrafterConfig:
     confidence_with_markov: bool = True  # confidence reads [h_k; W1[x_{k−1}]]
     loss_decay: float = 4.0  # λ in w_k = exp(−(k−1)/λ)
     sts_temperatures: tuple[float, ...] = ()  # per position; () = all 1 (uncalibrated)
+    # Draft vocabulary (EAGLE-3 d2t / FR-Spec): propose only from this many frequent target
+    # tokens (ids stored in the checkpoint as `draft_ids`); 0 = the full vocabulary. Lossless:
+    # draft logits are -inf outside it, so verification keeps all target mass there.
+    draft_vocab_size: int = 0
+    # Top-k sequential bias (vLLM's DSpark draft_topk): the head's bias goes only to the k best
+    # parallel logits, the rest are -inf; 0 = off. Lossless (what is sampled is what is verified).
+    draft_topk: int = 0
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -75,6 +82,13 @@ class DrafterConfig:
             )
         if any(t <= 0 for t in self.sts_temperatures):
             raise ValueError(f"STS temperatures must be > 0, got {self.sts_temperatures}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0 = full vocabulary), "
+                f"got {self.draft_vocab_size}"
+            )
+        if self.draft_topk < 0:
+            raise ValueError(f"draft_topk must be >= 0 (0 = off), got {self.draft_topk}")
         if self.loss_decay <= 0:
             raise ValueError(f"loss_decay (λ) must be > 0, got {self.loss_decay}")
 
@@ -82,6 +96,11 @@ class DrafterConfig:
     def rank(self) -> int:
         """Effective Markov rank (0 when there is no sequential head)."""
         return 0 if self.head_type == "none" else self.markov_rank
+
+    @property
+    def proposal_vocab_size(self) -> int:
+        """V′: the number of tokens the drafter can propose (its LM head rows, W2 columns)."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def uses_markov_in_confidence(self) -> bool:

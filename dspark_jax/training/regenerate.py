@@ -1,0 +1,58 @@
+"""On-policy training data: the target answers the training prompts itself.
+
+DFlash and DSpark train on the target's own answers (regenerated with the recipe's sampling:
+T 0.7, top-p 0.8, top-k 20), which beats training on the datasets' original answers. The
+prompts go through `ds.generate` in batches; each batch becomes one ArrayRecord shard of
+(prompt + response) token ids with the loss mask on the response (and the stop token that
+ended it). Shards are numbered by batch and written atomically, so a killed run resumes by
+skipping the shards that exist.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from dspark_jax.decoding.generate import encode_prompt, generate
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.training import records
+
+
+def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: int = 32,
+               max_prompt_tokens: int = 256, max_new_tokens: int = 256, temperature: float = 0.7,
+               top_p: float = 0.8, top_k: int = 20, seed: int = 0, log=sys.stderr) -> dict:
+    """Answers `prompts` with `target`, writing shards into `out_dir`. Returns counts."""
+    os.makedirs(out_dir, exist_ok=True)
+    encoded = []
+    for p in prompts:
+        ids = encode_prompt(target, p)
+        if len(ids) <= max_prompt_tokens:
+            encoded.append((p, ids))
+    eos = target.eos_token_ids
+    n_batches = (len(encoded) + batch_size - 1) // batch_size
+    t0 = time.perf_counter()
+    done_tokens = 0
+    written = 0
+    for b in range(n_batches):
+        path = os.path.join(out_dir, f"shard-{b:05d}.array_record")
+        if os.path.exists(path):
+            continue
+        batch = encoded[b * batch_size:(b + 1) * batch_size]
+        sampling = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                   max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + b * batch_size + i)
+                    for i in range(len(batch))]
+        out = generate(target, [ids for _, ids in batch], sampling=sampling)
+        recs = []
+        for (_, ids), resp in zip(batch, out.token_ids):
+            if len(resp) < max_new_tokens and eos:
+                resp = list(resp) + [eos[0]]  # the drafter should learn where answers end
+            recs.append(records.encode(ids + list(resp), [0] * len(ids) + [1] * len(resp)))
+            done_tokens += len(resp)
+        records.write_shard(path, recs)
+        written += 1
+        el = time.perf_counter() - t0
+        eta = el / written * (n_batches - b - 1)
+        print(f"[data] batch {b + 1}/{n_batches}: {done_tokens} response tokens, "
+              f"{done_tokens / el:.0f} tok/s, ETA {eta / 60:.1f} min", file=log, flush=True)
+    return {"prompts": len(encoded), "batches": n_batches, "new_tokens": done_tokens}
