@@ -17,11 +17,9 @@ def sampled(seed):
 
 @pytest.fixture(scope="module")
 def target():
-    from conftest import randomize_state
-
-    t = ds.Target.random(ds.ModelConfig.tiny(num_layers=2), seed=0)
-    t.state = randomize_state(t.state, 0)
-    return t
+    # Init-scale weights: next-token distributions close to uniform over 128 tokens, so two
+    # 12-token samples coincide with probability ~128^-12 unless the keys are equal.
+    return ds.Target.random(ds.ModelConfig.tiny(num_layers=2), seed=0)
 
 
 def test_small_seeds_are_jax_seeds_and_all_ints_give_distinct_keys():
@@ -45,7 +43,7 @@ def test_no_seed_means_fresh_randomness_that_stats_can_replay(target):
     assert ds.SamplingParams().seed is None
     a = ds.generate(target, [PROMPT] * 2, sampling=sampled(None))
     b = ds.generate(target, [PROMPT] * 2, sampling=sampled(None))
-    # 4 requests of 12 tokens from a spread-out distribution: equal runs would mean a fixed seed.
+    # 4 requests of 12 near-uniform tokens: any two equal would mean a repeated key.
     assert len({tuple(t) for t in a.token_ids + b.token_ids}) == 4
     replay = ds.generate(target, [PROMPT] * 2, sampling=[sampled(s) for s in a.stats["seeds"]])
     assert replay.token_ids == a.token_ids
