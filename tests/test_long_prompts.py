@@ -46,3 +46,16 @@ def test_chunked_prefill_feeds_the_drafter(target):
     chunked = ds.generate(target, ps, drafter=drafter, sampling=GREEDY, prefill_chunk=32)
     assert chunked.token_ids == whole.token_ids == ar.token_ids
     assert chunked.stats["cycles"] == whole.stats["cycles"]
+
+
+def test_speculative_decoding_up_to_the_last_context_position(target):
+    """prompt + max_new_tokens = the whole context, K = 4 drafts: the capped cache (384, not 512)
+    has no room for drafts past the end, which are never verified; output equals AR."""
+    cfg = ds.DrafterConfig.for_target(target.cfg, num_feature_layers=2, block_size=4, num_layers=1, markov_rank=8)
+    drafter = ds.Drafter.random(cfg, seed=3)
+    ps = prompts([370], seed=2)
+    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=384 - 370, ignore_eos=True)
+    ar = ds.generate(target, ps, sampling=sp)
+    spec = ds.generate(target, ps, drafter=drafter, sampling=sp, num_draft=4)
+    assert spec.stats["buckets"]["cache_len"] == 384
+    assert len(ar.token_ids[0]) == 14 and spec.token_ids == ar.token_ids

@@ -151,7 +151,7 @@ def generate(
     T = min(next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128), cfg.max_position_embeddings)
     O = next_pow2(max_new) + K + 1
     n_prefill = next_pow2(sum(len(x) for x in ids), 16)
-    q_prefill = next_pow2(max(len(x) for x in ids), 16)
+    q_prefill = min(next_pow2(max(len(x) for x in ids), 16), cfg.max_position_embeddings)
     if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     chunk = min(prefill_chunk, n_prefill)
