@@ -348,3 +348,26 @@ def test_our_config_wrong_type_of_float_and_bool(tmp_path, target):
     (tmp_path / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ValueError, match=r"field 'confidence_head' must be true or false"):
         ds.load_drafter(str(tmp_path), target)
+
+
+def test_deepspec_config_written_by_transformers_itself(tmp_path, target):
+    """The config.json as transformers writes it (`Qwen3Config.to_dict()`, amended the way
+    DeepSpec's build_draft_config amends it), not a hand-written layout. Needs the parity extra."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = informative(drafter("markov"))
+    c = d.cfg
+    hf = transformers.Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"},
+    ).to_dict()
+    hf.update(architectures=["Qwen3DSparkModel"], num_target_layers=c.num_target_layers, block_size=c.block_size,
+              tie_word_embeddings=False, layer_types=["full_attention"] * c.num_layers, mask_token_id=MASK_ID,
+              target_layer_ids=list(c.target_layer_ids), num_anchors=512, enable_confidence_head=True,
+              confidence_head_with_markov=True, markov_rank=c.markov_rank, markov_head_type="vanilla")
+    write_deepspec(str(tmp_path), d, deepspec_state_dict(d, target), hf)
+    back = ds.load_drafter(str(tmp_path), target)
+    assert back.cfg.rope_theta == 1e6
+    np.testing.assert_allclose(drafts(back, target)[0], drafts(d, target)[0], atol=1e-5)
