@@ -29,6 +29,7 @@ TRAINING_RULES: dict[str, str | None] = {
     "head_dim": None,
     "features": None,  # fc: (features, embed) — embed already takes fsdp
     "rank": None,
+    "draft_vocab": None,  # the draft vocabulary's ids: small, read by every step
     "norm": None,
     "layers": None,
 }
@@ -72,14 +73,25 @@ def state_specs(state, rules):
     return nnx.from_flat_state(flat)
 
 
-def shard_state(state, mesh: Mesh, rules):
-    """Places every parameter according to `rules`; a dimension the mesh axis does not divide
-    is replicated instead (e.g. 3 KV heads over 2 devices)."""
+def state_shardings(state, mesh: Mesh, rules):
+    """NamedShardings for every variable of `state` (concrete or abstract, e.g. from
+    `nnx.eval_shape`); a dimension the mesh axis does not divide is replicated instead
+    (e.g. 3 KV heads over 2 devices)."""
     flat = []
     for path, var in nnx.to_flat_state(state):
         v = var.get_value()
         spec = logical_to_spec(var.get_metadata()["axes"], rules, v.ndim)
         spec = PartitionSpec(*(m if m is None or v.shape[i] % mesh.shape[m] == 0 else None
                                for i, m in enumerate(spec)))
-        flat.append((path, var.replace(jax.device_put(v, NamedSharding(mesh, spec)))))
+        flat.append((path, var.replace(NamedSharding(mesh, spec))))
     return nnx.from_flat_state(flat)
+
+
+def shard_state(state, mesh: Mesh, rules):
+    """Places every parameter according to `rules` (see `state_shardings`)."""
+    return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over data × fsdp, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

@@ -113,13 +113,21 @@ def _config_from_json(d: dict, source: str = "drafter config.json") -> DrafterCo
         raise ValueError(f"{source}: {e}") from e
 
 
-def save_drafter(drafter: Drafter, path: str) -> None:
-    """Writes our format (config.json + model.safetensors) into directory `path`."""
+def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
+    """Writes our format (config.json + model.safetensors) into directory `path`.
+
+    `dtype` ("bfloat16", "float16", "float32") casts the floating-point tensors for storage
+    (loading casts back to the config's dtype); None keeps them as they are.
+    """
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
     tensors = {_flat_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.state)
                if not isinstance(v, TargetCopy)}
+    if dtype is not None:
+        dt = jnp.dtype(dtype)
+        tensors = {k: np.asarray(jnp.asarray(a).astype(dt)) if np.issubdtype(a.dtype, np.floating)
+                   or a.dtype == jnp.bfloat16 else a for k, a in tensors.items()}
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(_config_to_json(drafter.cfg), f, indent=2)

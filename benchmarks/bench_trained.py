@@ -1,0 +1,108 @@
+"""Trained drafters on the evaluation prompts: τ per dataset and the speedup over
+autoregressive decoding, measured side by side in one run.
+
+    python -m benchmarks.bench_trained [--drafter smollm2-135m-dspark] [--baseline DIR]
+        [--prompts 20] [--speed-prompts 5] [--max-new-tokens 128]
+
+τ (accepted tokens per cycle, bonus included) comes from all `--prompts` prompts of each
+dataset decoded as one batch, at temperature 0 and 1, for the DSpark drafter and (with
+`--baseline`) a DFlash drafter trained on the same data and steps. The wall-clock speedup is
+measured at batch 1 on the first `--speed-prompts` prompts of each dataset: each prompt is
+decoded autoregressively and speculatively, interleaved, and the table reports the median
+per-prompt speedup with its min–max. Greedy speculative output is checked token-identical
+to autoregressive output. Prints markdown tables (paste into BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import dspark_jax as ds
+from benchmarks.common import eval_prompts, hardware, machine_load, median, spread, table
+
+DATASETS = ("gsm8k", "humaneval", "mt-bench")
+
+
+def _chat(p):
+    return [{"role": "user", "content": p}]
+
+
+def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0)) -> str:
+    rows = []
+    for name in DATASETS:
+        prompts = [_chat(p) for p in eval_prompts(name, n_prompts)]
+        for temp in temps:
+            row = [name, temp]
+            for d in drafters.values():
+                sp = ds.SamplingParams(temperature=temp, max_new_tokens=max_new, seed=0)
+                out = ds.generate(target, prompts, drafter=d, sampling=sp, policy="fixed")
+                row.append(out.stats["tau"])
+            rows.append(row)
+    hdr = ["dataset", "temperature"] + [f"τ {k}" for k in drafters]
+    if len(drafters) == 2:
+        hdr.append("ratio")
+        rows = [r + [r[2] / r[3]] for r in rows]
+    return table(hdr, rows)
+
+
+def speed_table(target, drafter, n_prompts: int, max_new: int, temps=(0.0, 1.0)) -> str:
+    rows = []
+    for name in DATASETS:
+        prompts = [_chat(p) for p in eval_prompts(name, n_prompts)]
+        for temp in temps:
+            sp = ds.SamplingParams(temperature=temp, max_new_tokens=max_new, seed=0)
+            for p in prompts[:1]:  # compile both programs outside the timings
+                ds.generate(target, [p], sampling=sp)
+                ds.generate(target, [p], drafter=drafter, sampling=sp, policy="fixed")
+            speedups, ar_tps, sp_tps, taus, same = [], [], [], [], True
+            for i, p in enumerate(prompts):
+                runs = {}
+                order = ("ar", "spec") if i % 2 == 0 else ("spec", "ar")
+                for kind in order:
+                    t0 = time.perf_counter()
+                    out = ds.generate(target, [p], drafter=drafter if kind == "spec" else None, sampling=sp,
+                                      policy="fixed" if kind == "spec" else None)
+                    runs[kind] = (out, time.perf_counter() - t0)
+                (a, ta), (s, ts) = runs["ar"], runs["spec"]
+                # Per-token time: sampled runs may differ in length (and stop at EOS).
+                ar_tps.append(a.stats["new_tokens"] / ta)
+                sp_tps.append(s.stats["new_tokens"] / ts)
+                speedups.append(sp_tps[-1] / ar_tps[-1])
+                taus.append(s.stats["tau"])
+                if temp == 0.0:
+                    same &= a.token_ids == s.token_ids
+            rows.append([name, temp, f"{median(ar_tps):.1f}", f"{median(sp_tps):.1f}", spread(speedups, fmt="{:.2f}×"),
+                         f"{np.mean(taus):.2f}", ("yes" if same else "NO") if temp == 0.0 else "n/a"])
+    return table(["dataset", "temperature", "AR tok/s", "spec tok/s", "speedup median (min–max)", "τ",
+                  "greedy identical"], rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--drafter", default="smollm2-135m-dspark")
+    ap.add_argument("--baseline", default=None, help="a DFlash drafter (head none) trained on the same data")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--speed-prompts", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--skip-speed", action="store_true")
+    args = ap.parse_args(argv)
+    target = ds.load_target(args.target)
+    drafters = {"DSpark": ds.load_drafter(args.drafter, target)}
+    if args.baseline:
+        drafters["DFlash"] = ds.load_drafter(args.baseline, target)
+    print(f"# {hardware()}; {machine_load()} at start")
+    print(f"\n## τ ({args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, γ = "
+          f"{drafters['DSpark'].block_size}, batch {args.prompts})\n")
+    print(tau_table(target, drafters, args.prompts, args.max_new_tokens), flush=True)
+    if not args.skip_speed:
+        print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved)\n")
+        print(speed_table(target, drafters["DSpark"], args.speed_prompts, args.max_new_tokens))
+    print(f"\n{machine_load()} at end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The DSpark training loss (CE + TV + confidence) and its metrics.
+
+Letter legend: B sequences, A anchors, G block positions γ, V target vocab, P proposal
+vocab V′ (= V without a draft vocabulary).
+
+L = α_ce·L_ce + α_tv·L_tv + α_conf·L_conf, each term normalised by the sum of its weights
+w_k = exp(−(k−1)/λ) over supervised block positions:
+  L_ce   = −Σ w log p_d(x*)                (positions whose x* lies in the draft vocabulary)
+  L_tv   = Σ w ‖p_d − p_t‖₁               (over the FULL vocabulary: the target's mass
+                                           outside the draft vocabulary counts as lost)
+  L_conf = Σ w BCE(c, c*),  c* = 1 − ½‖p_d − p_t‖₁, detached.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def position_weights(block_size: int, decay: float):
+    """w_k = exp(−(k−1)/λ), k = 1..γ."""
+    return jnp.exp(-jnp.arange(block_size, dtype=jnp.float32) / decay)
+
+
+def dspark_loss(draft_logits_BAGP, conf_logit_BAG, tgt_logp_BAGP, tgt_in_mass_BAG, labels_BAG,
+                label_in_vocab_BAG, block_mask_BAG, *, decay: float, alpha=(0.1, 0.9, 1.0)):
+    """Returns (loss, metrics). `tgt_logp_BAGP`: the target's log-probabilities (normalised
+    over all V) restricted to the proposal vocabulary; `tgt_in_mass_BAG`: the target's mass on
+    the proposal vocabulary (1 without a draft vocabulary)."""
+    G = draft_logits_BAGP.shape[2]
+    w = position_weights(G, decay)[None, None] * block_mask_BAG
+    logp_d = jax.nn.log_softmax(draft_logits_BAGP.astype(jnp.float32), -1)
+    p_d, p_t = jnp.exp(logp_d), jnp.exp(tgt_logp_BAGP)
+    l1 = jnp.sum(jnp.abs(p_d - p_t), -1) + (1.0 - tgt_in_mass_BAG)  # ‖p_d − p_t‖₁ over V
+    ce = -jnp.take_along_axis(logp_d, labels_BAG[..., None], -1)[..., 0]
+    w_ce = w * label_in_vocab_BAG
+    accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))  # c*: P(accept) under sampling
+    c = jax.nn.sigmoid(conf_logit_BAG)
+    # BCE from logits (stable): −[c* log σ(z) + (1 − c*) log σ(−z)].
+    bce = -(accept * jax.nn.log_sigmoid(conf_logit_BAG) + (1 - accept) * jax.nn.log_sigmoid(-conf_logit_BAG))
+
+    def norm(x, ww):
+        return jnp.sum(x * ww) / jnp.maximum(jnp.sum(ww), 1e-9)
+
+    l_ce, l_tv, l_conf = norm(ce, w_ce), norm(l1, w), norm(bce, w)
+    loss = alpha[0] * l_ce + alpha[1] * l_tv + alpha[2] * l_conf
+    # Expected accepted length of a full block under sampling: 1 + Σ_k Π_{i≤k} (1 − TV_i),
+    # over blocks whose γ positions are all supervised.
+    full = jnp.all(block_mask_BAG > 0, -1)
+    surv = jnp.cumprod(accept, -1)
+    tau = jnp.sum((1.0 + jnp.sum(surv, -1)) * full) / jnp.maximum(jnp.sum(full), 1)
+    m = block_mask_BAG
+    metrics = {
+        "loss": loss, "ce": l_ce, "tv": l_tv, "conf_bce": l_conf,
+        "expected_tau": tau,
+        "acceptance": jnp.sum(accept * m, (0, 1)) / jnp.maximum(jnp.sum(m, (0, 1)), 1),  # [G]
+        "conf_abs_err": norm(jnp.abs(c - accept), m),
+        "supervised": jnp.sum(m),
+    }
+    return loss, metrics

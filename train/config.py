@@ -1,0 +1,84 @@
+"""`TrainConfig`: every setting of `python -m train.main`, one frozen dataclass.
+
+Presets live in `configs/*.py` (`get_config()` returns a TrainConfig); `--set key=value`
+overrides any field from the command line (values parsed as Python literals).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # Target and data.
+    target: str = "smollm2-135m"  # embedded name, HF directory or .gguf path; "tiny-random" for tests
+    prompt_sources: tuple[str, ...] = ("sharegpt",)  # 'sharegpt', 'humaneval' or JSONL paths
+    max_prompts: int = 4000
+    heldout_fraction: float = 0.05
+    max_heldout_prompts: int = 64
+    max_prompt_tokens: int = 256
+    # Regeneration (on-policy answers), DeepSpec's sampling recipe.
+    regen_batch_size: int = 32
+    regen_max_new_tokens: int = 256
+    regen_temperature: float = 0.7
+    regen_top_p: float = 0.8
+    regen_top_k: int = 20
+    # Off-policy supplement: this many ShareGPT prompts with the dataset's own answers (no
+    # regeneration cost; only ShareGPT has answers). 0 = on-policy data only.
+    original_answers: int = 0
+    # Drafter.
+    block_size: int = 7
+    num_draft_layers: int = 2
+    num_feature_layers: int = 5
+    head_type: str = "markov"  # markov | gated | rnn | none (DFlash baseline)
+    markov_rank: int = 128
+    draft_vocab_size: int = 8192  # 0 = full vocabulary
+    loss_decay: float = 4.0  # λ
+    # Optimisation.
+    seq_len: int = 512
+    num_anchors: int = 32
+    batch_size: int = 8
+    num_epochs: int = 4
+    learning_rate: float = 6e-4
+    warmup_fraction: float = 0.04
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    feature_cache: bool = True  # offline mode: one target forward per sequence, reused every epoch
+    seed: int = 0
+    # Checkpoints and logging.
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    # Calibration.
+    calib_prompts: int = 32
+    calib_max_new_tokens: int = 96
+
+    def replace(self, **kw) -> TrainConfig:
+        return dataclasses.replace(self, **kw)
+
+    def with_overrides(self, items: list[str]) -> TrainConfig:
+        """Applies `key=value` strings; the value is a Python literal (strings may be bare)."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        kw = {}
+        for item in items:
+            if "=" not in item:
+                raise ValueError(f"--set expects key=value, got {item!r}")
+            k, v = item.split("=", 1)
+            if k not in fields:
+                raise ValueError(f"--set {k}: no such setting; known: {', '.join(sorted(fields))}")
+            try:
+                val = ast.literal_eval(v)
+            except (ValueError, SyntaxError):
+                val = v
+            cur = getattr(self, k)
+            if isinstance(cur, tuple) and isinstance(val, str | list):
+                val = tuple(val) if isinstance(val, list) else (val,)
+            if isinstance(cur, bool) != isinstance(val, bool) or (
+                    isinstance(cur, int | float) and not isinstance(val, int | float)):
+                raise ValueError(f"--set {k}={v}: expected a value like {cur!r}")
+            if isinstance(cur, float) and isinstance(val, int):
+                val = float(val)
+            kw[k] = val
+        return self.replace(**kw)

@@ -1,0 +1,296 @@
+"""The stages of `python -m train.main` (see train/main.py). Each is resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dspark_jax as ds
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.training import batches, records
+from dspark_jax.training import train_step as ts
+from dspark_jax.training.prompts import is_heldout, iter_prompts, sharegpt_pairs
+from dspark_jax.training.regenerate import regenerate, write_original_answers
+from train.config import TrainConfig
+from train.progress import MetricsLog, Progress
+
+
+def load_target(cfg: TrainConfig):
+    if cfg.target == "tiny-random":  # tests and smoke runs: no tokenizer, token-id prompts
+        return ds.Target.random(ds.ModelConfig.tiny(), seed=cfg.seed)
+    return ds.load_target(cfg.target)
+
+
+def _prompts(cfg: TrainConfig, target):
+    """(train prompts, held-out prompts); 'synthetic' gives token-id prompts for tiny targets."""
+    rng = np.random.default_rng(cfg.seed)
+    allp = []
+    for src in cfg.prompt_sources:
+        if src == "synthetic":
+            V = target.cfg.vocab_size
+            allp += [[1] + rng.integers(3, V, int(rng.integers(4, 12))).tolist() for _ in range(cfg.max_prompts)]
+        else:
+            allp += list(iter_prompts(src))
+    if not allp:
+        raise ValueError(f"the prompt sources {cfg.prompt_sources} hold no prompts")
+    order = rng.permutation(len(allp))
+    allp = [allp[i] for i in order]
+    key = (lambda p: p if isinstance(p[0], dict) else [{"role": "ids", "content": str(p)}])
+    held = [p for p in allp if is_heldout(key(p), cfg.heldout_fraction)][: cfg.max_heldout_prompts]
+    train = [p for p in allp if not is_heldout(key(p), cfg.heldout_fraction)][: cfg.max_prompts]
+    return train, held
+
+
+def data(cfg: TrainConfig, workdir: str) -> None:
+    target = load_target(cfg)
+    train, held = _prompts(cfg, target)
+    kw = dict(batch_size=cfg.regen_batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
+              max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
+              top_p=cfg.regen_top_p, top_k=cfg.regen_top_k, seed=cfg.seed)
+    regenerate(target, held, os.path.join(workdir, "data", "heldout"), **kw)
+    regenerate(target, train, os.path.join(workdir, "data", "train"), **kw)
+    if cfg.original_answers:
+        rng = np.random.default_rng(cfg.seed + 1)
+        pairs = [([{"role": "user", "content": q}], a) for q, a in sharegpt_pairs()]
+        pairs = [pairs[i] for i in rng.permutation(len(pairs))]
+        held_key = [p for p, _ in pairs]
+        pairs = [pr for pr, k in zip(pairs, held_key) if not is_heldout(k, cfg.heldout_fraction)]
+        n = write_original_answers(target, pairs[: cfg.original_answers], os.path.join(workdir, "data", "train"),
+                                   max_prompt_tokens=cfg.max_prompt_tokens,
+                                   max_answer_tokens=cfg.regen_max_new_tokens)
+        print(f"[data] original answers: {n}", file=sys.stderr)
+    counts = records.token_counts(os.path.join(workdir, "data", "train"), target.cfg.vocab_size)
+    np.save(os.path.join(workdir, "data", "token_counts.npy"), counts)
+    print(f"[data] {int(counts.sum())} supervised tokens, {int((counts > 0).sum())} distinct", file=sys.stderr)
+
+
+def drafter_config(cfg: TrainConfig, target) -> ds.DrafterConfig:
+    V = target.cfg.vocab_size
+    dv = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else 0
+    return ds.DrafterConfig.for_target(
+        target.cfg, num_feature_layers=cfg.num_feature_layers, block_size=cfg.block_size,
+        num_layers=cfg.num_draft_layers, markov_rank=cfg.markov_rank, head_type=cfg.head_type,
+        draft_vocab_size=dv, loss_decay=cfg.loss_decay, dtype="float32")
+
+
+def _init_drafter(cfg: TrainConfig, dcfg: ds.DrafterConfig, workdir: str) -> DSparkDrafter:
+    model = DSparkDrafter(dcfg, rngs=nnx.Rngs(cfg.seed))
+    if dcfg.rank:
+        # Start from the parallel (DFlash) drafter: the sequential bias begins at zero.
+        model.head.w2.set_value(jnp.zeros_like(model.head.w2[...]))
+    if dcfg.draft_vocab_size:
+        path = os.path.join(workdir, "data", "token_counts.npy")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing: run the data stage first")
+        model.draft_ids.set_value(jnp.asarray(records.draft_vocabulary(np.load(path), dcfg.draft_vocab_size)))
+    return model
+
+
+class _FeatureCache:
+    """Offline mode: the target's tapped features and last hidden state per sequence (bf16
+    memmaps), computed once and reused every epoch. Resumable: `done.json` counts finished rows."""
+
+    def __init__(self, workdir, n, seq_len, feat_dim, hidden):
+        import ml_dtypes
+
+        self.dir = os.path.join(workdir, "features")
+        os.makedirs(self.dir, exist_ok=True)
+        self.done_path = os.path.join(self.dir, "done.json")
+        meta = {"n": n, "seq_len": seq_len, "feat_dim": feat_dim}
+        old = json.load(open(self.done_path)) if os.path.exists(self.done_path) else None
+        # A cache for another dataset or shape is rebuilt, never reused.
+        fresh = old is None or {k: old.get(k) for k in meta} != meta
+        mode = "w+" if fresh else "r+"
+        self.meta = meta
+        bf16 = ml_dtypes.bfloat16
+        self.feats = np.memmap(os.path.join(self.dir, "feats.bin"), bf16, mode, shape=(n, seq_len, feat_dim))
+        self.last = np.memmap(os.path.join(self.dir, "last.bin"), bf16, mode, shape=(n, seq_len, hidden))
+        self.done = 0 if fresh else old["rows"]
+        self.n = n
+
+    def fill(self, target, examples, lengths, feature_layers, chunk, bucket=128):
+        """Runs the target over every sequence, shortest first, each chunk padded only to its
+        longest member (rounded up to `bucket`): padding to the full length wasted ~40%."""
+        order = np.argsort(np.asarray(lengths), kind="stable")
+        prog = Progress("features", self.n, unit="seq")
+        prog.update(self.done)
+        while self.done < self.n:
+            hi = min(self.n, self.done + chunk)
+            rows = order[self.done:hi]
+            width = min(self.feats.shape[1], -(-max(int(lengths[i]) for i in rows) // bucket) * bucket)
+            tok = np.stack([examples[i][:width] for i in rows])
+            pad = chunk - tok.shape[0]
+            tok = np.concatenate([tok, np.zeros((pad, tok.shape[1]), tok.dtype)]) if pad else tok
+            f, last = ts.compute_target_outputs(target.graphdef, target.state, jnp.asarray(tok),
+                                                feature_layers=feature_layers)
+            # Positions past a sequence's end are never read (no anchor reaches them), but a
+            # row is written whole so that a reused file never mixes two datasets.
+            f, last = np.asarray(f[: len(rows)]), np.asarray(last[: len(rows)])
+            for j, i in enumerate(rows):
+                self.feats[i] = 0
+                self.last[i] = 0
+                self.feats[i, :width] = f[j]
+                self.last[i, :width] = last[j]
+            self.feats.flush()
+            self.last.flush()
+            self.done = hi
+            with open(self.done_path, "w") as fh:
+                json.dump({"rows": hi, **self.meta}, fh)
+            prog.update(hi)
+
+    def get(self, idx):
+        return jnp.asarray(self.feats[idx]), jnp.asarray(self.last[idx])
+
+
+def train(cfg: TrainConfig, workdir: str) -> None:
+    import orbax.checkpoint as ocp
+
+    target = load_target(cfg)
+    dcfg = drafter_config(cfg, target)
+    dcfg.check_compatible(target.cfg)
+    data_dir = os.path.join(workdir, "data", "train")
+    n_seq = len(records.data_source(data_dir))
+    steps_per_epoch = n_seq // cfg.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"{n_seq} training sequences is fewer than one batch of {cfg.batch_size}")
+    total = steps_per_epoch * cfg.num_epochs
+    opt = ts.OptimConfig(cfg.learning_rate, cfg.warmup_fraction, total, cfg.weight_decay, cfg.clip_norm)
+    tx = opt.optimizer()
+    model = _init_drafter(cfg, dcfg, workdir)
+    dgraph, params, rest = ts.split_drafter(model)
+    state = ts.init_state(params, tx)
+    pipeline = batches.dataset(data_dir, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                               num_anchors=cfg.num_anchors, block_size=cfg.block_size, seed=cfg.seed,
+                               num_epochs=cfg.num_epochs)
+    it = iter(pipeline)
+    mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
+                                options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints))
+    if mgr.latest_step() is not None:
+        step = mgr.latest_step()
+        restored = mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state)),
+            data=ocp.args.JsonRestore()))
+        state = restored["state"]
+        it.set_state(restored["data"])
+        print(f"[train] resumed from step {step}", file=sys.stderr)
+
+    cache = None
+    if cfg.feature_cache:
+        examples, lengths = {}, []
+        src = records.data_source(data_dir)
+        for i in range(n_seq):
+            t, _ = records.decode(src[i])
+            row = np.zeros(cfg.seq_len, np.int32)
+            row[: min(t.size, cfg.seq_len)] = t[: cfg.seq_len]
+            examples[i] = row
+            lengths.append(min(t.size, cfg.seq_len))
+        L = len(dcfg.target_layer_ids)
+        cache = _FeatureCache(workdir, n_seq, cfg.seq_len, L * target.cfg.hidden_size, target.cfg.hidden_size)
+        cache.fill(target, examples, lengths, dcfg.target_layer_ids, cfg.batch_size)
+
+    def save(step):
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               data=ocp.args.JsonSave(it.get_state())), force=True)
+        mgr.wait_until_finished()
+
+    stop = {"flag": False}
+    old = signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    log = MetricsLog(os.path.join(workdir, "metrics.jsonl"))
+    prog = Progress("train", total, unit="step")
+    step = int(state.step)
+    prog.update(step)
+    kw = dict(tx=tx, dgraph=dgraph, tgraph=target.graphdef, decay=dcfg.loss_decay)
+    t_last, tok_since = time.perf_counter(), 0
+    try:
+        while step < total:
+            batch = next(it)
+            dev = {k: jnp.asarray(batch[k]) for k in ("tokens", "anchors", "block_mask")}
+            if cache is not None:
+                feats, last = cache.get(np.asarray(batch["index"]))
+                new, m = ts.train_step_cached(state, rest, target.state, dev, feats, last, **kw)
+            else:
+                new, m = ts.train_step_online(state, rest, target.state, dev,
+                                              feature_layers=dcfg.target_layer_ids, **kw)
+            loss = float(m["loss"])
+            if not np.isfinite(loss):
+                raise FloatingPointError(
+                    f"loss is {loss} at step {step + 1}; stopping. The last good checkpoint "
+                    f"(step {mgr.latest_step()}) is kept in {workdir}/ckpt")
+            state, step = new, step + 1
+            tok_since += int(np.asarray(batch["block_mask"]).sum())
+            if step % cfg.log_every == 0 or step == total:
+                now = time.perf_counter()
+                rec = {"step": step, "epoch": (step - 1) // steps_per_epoch,
+                       **{k: np.asarray(v).tolist() for k, v in m.items()},
+                       "supervised_tokens_per_s": tok_since / max(now - t_last, 1e-9)}
+                log.write(rec)
+                t_last, tok_since = now, 0
+            prog.update(step, loss=loss, tau=float(m["expected_tau"]))
+            if step % cfg.checkpoint_every == 0 or step == total or stop["flag"]:
+                save(step)
+            if stop["flag"]:
+                print(f"[train] SIGTERM: saved step {step}; rerun the same command to resume", file=sys.stderr)
+                raise SystemExit(143)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        mgr.close()
+
+
+def restore_params(cfg: TrainConfig, workdir: str, target):
+    """(DrafterConfig, trained Drafter) from the latest checkpoint."""
+    import orbax.checkpoint as ocp
+
+    dcfg = drafter_config(cfg, target)
+    model = _init_drafter(cfg, dcfg, workdir)
+    dgraph, params, rest = ts.split_drafter(model)
+    mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")))
+    step = mgr.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}/ckpt: run the train stage first")
+    tx = ts.OptimConfig().optimizer()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ts.init_state(params, tx))
+    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    mgr.close()
+    _, state = nnx.split(nnx.merge(dgraph, restored["state"].params, rest))
+    return ds.Drafter(dcfg, dgraph, state)
+
+
+def calibrate(cfg: TrainConfig, workdir: str) -> None:
+    from dspark_jax.training import calibration
+
+    target = load_target(cfg)
+    drafter = restore_params(cfg, workdir, target).bind(target)
+    held = records.read_all(os.path.join(workdir, "data", "heldout"))
+    prompts = [t[m == 0].tolist() for t, m in held][: cfg.calib_prompts]
+    if not prompts:
+        raise ValueError("no held-out prompts to calibrate on: run the data stage first")
+    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=cfg.calib_max_new_tokens)
+    conf, acc, ver = calibration.collect_cycles(target, drafter, prompts, max_new_tokens=cfg.calib_max_new_tokens,
+                                                sampling=sp)
+    out = os.path.join(workdir, "calibration")
+    os.makedirs(out, exist_ok=True)
+    rep = calibration.fit_and_report(conf, acc, ver, drafter.cfg.block_size,
+                                     png_path=os.path.join(out, "reliability.png"))
+    with open(os.path.join(out, "sts.json"), "w") as f:
+        json.dump(rep, f, indent=1, default=float)
+    print(f"[calibrate] temperatures {rep['temperatures']}", file=sys.stderr)
+
+
+def export(cfg: TrainConfig, workdir: str) -> None:
+    target = load_target(cfg)
+    drafter = restore_params(cfg, workdir, target)
+    sts = os.path.join(workdir, "calibration", "sts.json")
+    if os.path.exists(sts):
+        temps = tuple(float(t) for t in json.load(open(sts))["temperatures"])
+        drafter = ds.Drafter(drafter.cfg.replace(sts_temperatures=temps), drafter.graphdef, drafter.state)
+    out = os.path.join(workdir, "export")
+    ds.save_drafter(drafter, out, dtype="bfloat16")
+    print(f"[export] wrote {out}", file=sys.stderr)
