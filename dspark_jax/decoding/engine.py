@@ -81,7 +81,7 @@ def _chunk_take(remaining_S, budget: int):
     jax.jit, static_argnames=("tgraph", "drafter", "q_max", "chunk"), donate_argnames=("st",)
 )
 def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa: SamplingArrays, *, q_max,
-            chunk):
+            chunk=None):
     """Runs the prompts (slot-major in `tokens_N`) and samples each request's first token.
 
     The prompts go through the packed step `chunk` tokens at a time (a `lax.while_loop`, so
@@ -89,12 +89,13 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
     scores are [S, H, min(q_max, chunk), T] instead of [S, H, prompt, T], which keeps memory
     bounded for long prompts. Each chunk continues every unfinished slot where the previous
     one stopped (starts > 0), slot-major, so a chunk may hold the end of one prompt and the
-    start of the next.
+    start of the next. `chunk=None`: the whole packed buffer in one step.
     """
     target = nnx.merge(tgraph, tstate)
     S = lens_S.shape[0]
     V = target.cfg.vocab_size
     feature_layers = drafter.feature_layers if drafter is not None else ()
+    chunk = tokens_N.shape[0] if chunk is None else chunk
     offs_S = jnp.cumsum(lens_S) - lens_S  # where each prompt starts in tokens_N
     qc = min(q_max, chunk)
 
