@@ -4,18 +4,21 @@ For γ ∈ {7, 15}, 1 and 2 draft layers, Markov and RNN heads, at 1 and 16 requ
 of 256 tokens each): ms per `draft_block` call, and the sequential head's share, measured as
 the difference to the same drafter with head "none" and no confidence head (the parallel
 DFlash drafter, identical backbone). The target decode step is one packed step with one
-token per request.
+token per request. At each request count all configurations run round-robin for
+`--repeats` rounds; tables give median (min–max) and the machine's load average.
 
-    python -m benchmarks.bench_drafter
+    python -m benchmarks.bench_drafter [--repeats 7] [--requests 1 16]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
 
 import dspark_jax as ds
-from benchmarks.common import hardware, table, time_call
+from benchmarks.common import hardware, interleaved, machine_load, median, spread, table
 from dspark_jax.decoding.drafting import Drafter, draft_block
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.models.transformer import KVCache, packed_step
@@ -23,7 +26,8 @@ from dspark_jax.models.transformer import KVCache, packed_step
 CTX, CACHE = 256, 512
 
 
-def draft_ms(target, drafter, R, temperature=1.0):
+def draft_fn(target, drafter, R, temperature=1.0):
+    """A closure drafting one block for R requests (blocks on the result)."""
     cache = drafter.init_cache(drafter.params, R, CACHE)
     anchor = jnp.ones(R, jnp.int32)
     pos = jnp.full(R, CTX, jnp.int32)
@@ -34,10 +38,10 @@ def draft_ms(target, drafter, R, temperature=1.0):
         jax.block_until_ready(draft_block(drafter, drafter.params, target.graphdef, target.state, cache, anchor,
                                           pos, keys, sa))
 
-    return time_call(run, reps=7) * 1e3
+    return run
 
 
-def target_step_ms(target, R):
+def target_step_fn(target, R):
     state = {"c": KVCache.zeros(target.cfg, R, CACHE)}
     toks, starts, counts = jnp.ones(R, jnp.int32), jnp.full(R, CTX, jnp.int32), jnp.ones(R, jnp.int32)
 
@@ -45,30 +49,40 @@ def target_step_ms(target, R):
         lg, _, state["c"] = packed_step(target.graphdef, target.state, state["c"], toks, starts, counts, q_max=1)
         jax.block_until_ready(lg)
 
-    return time_call(run, reps=7) * 1e3
+    return run
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds per configuration")
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 16])
+    args = ap.parse_args()
     target = ds.load_target("smollm2-135m")
-    print(f"# Drafter block cost on SmolLM2-135M fp32 — {hardware()}\n")
+    print(f"# Drafter block cost on SmolLM2-135M fp32 — {hardware()}")
+    print(f"# before: {machine_load()}\n")
     rows = []
-    for R in (1, 16):
-        t_step = target_step_ms(target, R)
+    for R in args.requests:
+        # Everything compared at one request count runs round-robin: target step, and every
+        # drafter with its parallel-only twin.
+        configs = {"step": target_step_fn(target, R)}
         for gamma in (7, 15):
             for layers in (1, 2):
                 base_cfg = ds.DrafterConfig.for_target(target.cfg, block_size=gamma, num_layers=layers,
                                                        markov_rank=256)
-                parallel = Drafter.random(base_cfg.replace(head_type="none", markov_rank=0, confidence_head=False))
-                t_par = draft_ms(target, parallel, R)
-                for head in ("markov", "rnn"):
-                    d = Drafter.random(base_cfg.replace(head_type=head))
-                    t = draft_ms(target, d, R)
-                    rows.append([R, gamma, layers, head, t, t_par, f"{100 * (t - t_par) / t:.1f}%", t_step,
-                                 f"{t / t_step:.2f}"])
-                    print(rows[-1], flush=True)
-    print()
-    print(table(["requests", "γ", "draft layers", "head", "draft ms", "parallel-only ms", "head share",
-                 "target step ms", "draft / step"], rows))
+                for head in ("none", "markov", "rnn"):
+                    cfg = (base_cfg.replace(head_type="none", markov_rank=0, confidence_head=False)
+                           if head == "none" else base_cfg.replace(head_type=head))
+                    configs[(gamma, layers, head)] = draft_fn(target, Drafter.random(cfg), R)
+        times = interleaved(configs, repeats=args.repeats)
+        t_step = median(times["step"])
+        for (gamma, layers, head), ts in ((k, v) for k, v in times.items() if k != "step" and k[2] != "none"):
+            t, t_par = median(ts), median(times[(gamma, layers, "none")])
+            rows.append([R, gamma, layers, head, spread(ts, 1e3), spread(times[(gamma, layers, "none")], 1e3),
+                         f"{100 * (t - t_par) / t:.1f}%", spread(times["step"], 1e3), f"{t / t_step:.2f}"])
+            print(rows[-1], flush=True)
+    print(f"\n# after: {machine_load()}; {args.repeats} interleaved rounds; ms as median (min–max)\n")
+    print(table(["requests", "γ", "draft layers", "head", "draft ms", "parallel-only ms", "head share (medians)",
+                 "target step ms", "draft / step (medians)"], rows))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,46 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def hf_rope(hf: dict[str, Any], source: str = "config.json") -> tuple[float | None, tuple | None]:
+    """RoPE settings of an HF config dict: (θ or None when the config names none, scaling).
+
+    transformers ≤ 4 writes a top-level `rope_theta` and an optional `rope_scaling` dict;
+    transformers 5 writes one `rope_parameters` dict holding `rope_theta` and `rope_type`
+    (plus the scaling keys). Both layouts are read. Scaling comes back as a sorted tuple of
+    (key, value) pairs, or None for plain RoPE.
+    """
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    for name, v in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"{source}: {name} must be a JSON object, got {v!r}")
+    if params and any(isinstance(v, dict) for v in params.values()):
+        # transformers 5 nests RoPE per attention type for models that mix them (e.g. Gemma).
+        raise ValueError(f"{source}: per-layer-type rope_parameters ({sorted(params)}) are not supported; "
+                         "supported families use one RoPE for every layer")
+    theta = hf.get("rope_theta")
+    if theta is None and params:
+        theta = params.get("rope_theta")
+    if theta is not None:
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+            raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+        theta = float(theta)
+    spec = scaling or params
+    if not spec:
+        return theta, None
+    spec = {k: v for k, v in spec.items() if k != "rope_theta"}
+    rtype = spec.pop("rope_type", spec.pop("type", "default"))
+    spec.pop("type", None)
+    if rtype not in ROPE_TYPES:
+        raise ValueError(f"{source}: unsupported rope_scaling type {rtype!r}; supported: {', '.join(ROPE_TYPES)}")
+    if rtype == "default":
+        return theta, None
+    return theta, tuple(sorted({**spec, "rope_type": rtype}.items()))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -80,20 +120,7 @@ class ModelConfig:
                 )
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-        if rope_scaling:
-            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
-            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rtype not in ("default", "llama3", "linear"):
-                raise ValueError(
-                    f"unsupported rope_scaling type {rtype!r}; supported: default, linear, llama3"
-                )
-            rope_scaling = {**rope_scaling, "rope_type": rtype}
-            rope_scaling.pop("type", None)
-            rope_scaling = None if rtype == "default" else tuple(sorted(rope_scaling.items()))
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
-            rope_theta = hf["rope_parameters"].get("rope_theta")
+        rope_theta, rope_scaling = hf_rope(hf)
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         kw = dict(
@@ -104,7 +131,8 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
-            rope_theta=float(rope_theta or 10000.0),
+            # HF's own default for these families when a config names no θ.
+            rope_theta=10000.0 if rope_theta is None else rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

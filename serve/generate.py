@@ -1,56 +1,144 @@
-"""Command-line generation: `python -m serve.generate "Write a Python function that reverses a list"`.
+"""Command-line generation: `python -m serve.generate Write a Python function that reverses a list`.
 
-Runs the embedded SmolLM2-135M-Instruct (or --model PATH) with the prompt as a chat
-message, prints the completion and the measured tokens/s. With --drafter PATH it decodes
-speculatively (lossless: greedy output is identical to plain decoding).
+Runs the embedded SmolLM2-135M-Instruct (or --model PATH) with the prompt as a chat message,
+prints the completion and the measured tokens/s. The words of the command line form ONE
+prompt (quoting is optional); several prompts come from --prompts-file. With --drafter DIR
+it decodes speculatively (lossless: the output is distributed exactly as without it).
+
+Sampling defaults are the library's (`ds.SamplingParams`): temperature 1.0, i.e. the model's
+own distribution, as in HF `generate(do_sample=True)`, vLLM and the OpenAI API, with a fresh
+seed per run; pass --temperature 0 for greedy (deterministic) output or --seed N to replay.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
-
-import jax
 
 import dspark_jax as ds
 
 # Compiled programs are cached on disk, so only the first run of a given shape pays for XLA.
 CACHE_DIR = os.environ.get("DSPARK_XLA_CACHE", os.path.expanduser("~/.cache/dspark_jax/xla"))
+_SP = ds.SamplingParams()
+
+
+def read_prompts_file(path: str) -> list:
+    """One prompt per non-empty line; a `.jsonl` file holds one JSON value per line: a string,
+    a list of chat messages, or an object with "prompt" (a string) or "turns" (its first is used)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no prompts file at {path!r}")
+    with open(path, encoding="utf-8") as f:
+        lines = [(i, line.rstrip("\n")) for i, line in enumerate(f, 1) if line.strip()]
+    if not path.endswith(".jsonl"):
+        return [line for _, line in lines]
+    prompts = []
+    for i, line in lines:
+        try:
+            v = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i} is not valid JSON ({e}); a .jsonl prompts file holds one JSON value "
+                             "per line") from e
+        if isinstance(v, dict) and isinstance(v.get("prompt"), str):
+            v = v["prompt"]
+        elif isinstance(v, dict) and isinstance(v.get("turns"), list) and v["turns"]:
+            v = v["turns"][0]
+        if not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, dict) for m in v))):
+            raise ValueError(f"{path}:{i}: expected a string, a list of chat messages, or an object with "
+                             f"'prompt' or 'turns'; got {line[:80]!r}")
+        prompts.append(v)
+    if not prompts:
+        raise ValueError(f"{path!r} holds no prompts")
+    return prompts
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's paragraphs; appends "(default: ...)" where the help text has none."""
+
+    def _get_help_string(self, action):
+        unset = action.default is None or action.default is False or action.default == []
+        if unset or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m serve.generate", description=__doc__.split("\n\n", 1)[1],
+        formatter_class=_HelpFormatter,
+    )
+    ap.add_argument("prompt", nargs="*", default=[],
+                    help="the prompt; all words are joined into one prompt (a user chat message unless --raw)")
+    ap.add_argument("--prompts-file", metavar="FILE", default=None,
+                    help="several prompts: one per line, or a .jsonl file with one JSON string, chat or "
+                         "{'prompt': ...} / {'turns': [...]} object per line (instead of the positional prompt; "
+                         "default: none)")
+    ap.add_argument("--model", default="smollm2-135m", help="embedded model name, HF model directory or .gguf file")
+    ap.add_argument("--drafter", metavar="DIR", default=None,
+                    help="drafter directory (our export or a DeepSpec checkpoint); default: none, i.e. autoregressive")
+    ap.add_argument("--num-draft", type=int, default=None,
+                    help="drafts verified per cycle, 1..γ (needs --drafter; default: the drafter's block size γ)")
+    ap.add_argument("--raw", action="store_true",
+                    help="use the prompt text as is, without the chat template (default: off)")
+    ap.add_argument("--max-new-tokens", type=int, default=_SP.max_new_tokens, help="tokens to generate at most")
+    ap.add_argument("--temperature", type=float, default=_SP.temperature,
+                    help="sampling temperature; 0 = greedy (deterministic), 1 = the model's distribution")
+    ap.add_argument("--top-k", type=int, default=_SP.top_k, help="keep the k most likely tokens (0 = off)")
+    ap.add_argument("--top-p", type=float, default=_SP.top_p, help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--min-p", type=float, default=_SP.min_p,
+                    help="drop tokens below min_p × the top token's probability (0 = off)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="any integer, for reproducible sampling; default: a fresh seed per prompt (printed)")
+    ap.add_argument("--stop", action="append", default=[],
+                    help="stop string (repeatable); output ends just before it (default: none)")
+    ap.add_argument("--dtype", default=None, help="float32 (default; right on CPU) or bfloat16 (TPU/GPU)")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="lax.scan over layers: faster compile, slower decoding on CPU (default: off, unrolled)")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help=f"do not cache compiled programs on disk (default: cache in $DSPARK_XLA_CACHE or {CACHE_DIR})")
+    return ap
+
+
+def _prompts(ap: argparse.ArgumentParser, args) -> list:
+    if args.prompts_file and args.prompt:
+        ap.error("give the prompt either as words or with --prompts-file, not both")
+    if args.prompts_file:
+        prompts = read_prompts_file(args.prompts_file)
+    elif args.prompt:
+        prompts = [" ".join(args.prompt)]
+    else:
+        ap.error("no prompt: pass the prompt as words, or --prompts-file FILE")
+    if args.raw:
+        return prompts
+    return [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("prompt", nargs="+", help="one or more prompts (each becomes a user chat message)")
-    ap.add_argument("--model", default="smollm2-135m", help="embedded name, HF directory or .gguf path")
-    ap.add_argument("--drafter", default=None, help="drafter directory (our export or a DeepSpec checkpoint)")
-    ap.add_argument("--num-draft", type=int, default=None, help="drafts verified per cycle (default: γ)")
-    ap.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
-    ap.add_argument("--scan-layers", action="store_true", help="lax.scan over layers (faster compile)")
-    ap.add_argument("--no-compile-cache", action="store_true", help="do not cache compiled programs on disk")
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if not args.no_compile_cache:
-        jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if args.num_draft is not None and not args.drafter:
+        ap.error("--num-draft needs --drafter DIR (without a drafter decoding is autoregressive)")
     try:
+        prompts = _prompts(ap, args)
         sampling = ds.SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
         )
+        if args.drafter:  # cheap checks first: a bad path should not wait for the target to load
+            from dspark_jax.io.drafter_io import inspect_drafter
+
+            inspect_drafter(args.drafter)
+        if not args.no_compile_cache:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         t0 = time.perf_counter()
         target = ds.load_target(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
         drafter = ds.load_drafter(args.drafter, target) if args.drafter else None
         t_load = time.perf_counter() - t0
-        prompts = args.prompt if args.raw else [[{"role": "user", "content": p}] for p in args.prompt]
         out = ds.generate(target, prompts, drafter=drafter, sampling=sampling, num_draft=args.num_draft)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -60,11 +148,13 @@ def main(argv=None) -> int:
             print(f"--- [{i}]")
         print(text)
     s = out.stats
+    seeds = "" if sampling.greedy else f"; seed {', '.join(map(str, s['seeds']))}"
     print(
         f"\n[{target.name}] {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s "
         f"(excluding {s['compile_s']:.1f} s of one-time compilation; load {t_load:.1f} s; "
         f"policy {s['policy']}"
         + (f", τ {s['tau']:.2f}" if "tau" in s else "")
+        + seeds
         + ")",
         file=sys.stderr,
     )

@@ -25,9 +25,10 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
-    """transformers' own GGUF loading of the same file (the parity reference, ~40 s)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """transformers' own GGUF loading of the same file (the parity reference, ~40 s).
+    Skips the test when the `parity` extra (torch, transformers) is not installed."""
+    torch = pytest.importorskip("torch")
+    AutoModelForCausalLM = pytest.importorskip("transformers").AutoModelForCausalLM
 
     # One intra-op thread: on 2 shared cores torch's 2-thread barriers stall whenever another
     # process holds a core (3x slower generation measured); 1 thread degrades gracefully.
@@ -39,7 +40,8 @@ def hf_smollm2(smollm2_path):
 
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
+    pytest.importorskip("torch")  # the parity extra comes as a whole
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
 
     d, f = os.path.split(smollm2_path)
     return AutoTokenizer.from_pretrained(d, gguf_file=f)

@@ -1,4 +1,4 @@
-"""Drafter invariants on tiny configs (DESIGN.md §2): scan ≡ loop, causality, W2 = 0 ≡ DFlash,
+"""Drafter invariants on tiny configs (docs/method.md §2): scan ≡ loop, causality, W2 = 0 ≡ DFlash,
 teacher forcing ≡ sampling path, incremental context ≡ all-at-once, parameter counts."""
 
 import jax

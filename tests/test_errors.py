@@ -59,9 +59,25 @@ def test_unsupported_rope_scaling():
         ds.ModelConfig.from_hf_dict(hf)
 
 
+def test_rope_parameters_layouts():
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128}
+    cfg = ds.ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+    cfg = ds.ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear",
+                                                                   "factor": 2.0}})
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling == (("factor", 2.0), ("rope_type", "linear"))
+    nested = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="per-layer-type rope_parameters"):
+        ds.ModelConfig.from_hf_dict({**base, "rope_parameters": nested})
+    with pytest.raises(ValueError, match=r"rope_theta must be a positive number, got '1e6'"):
+        ds.ModelConfig.from_hf_dict({**base, "rope_theta": "1e6"})
+
+
 def _tiny_hf_checkpoint(path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    torch = pytest.importorskip("torch")  # the `parity` extra writes the HF checkpoint
+    transformers = pytest.importorskip("transformers")
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -164,6 +180,22 @@ def test_gguf_tensor_type_we_cannot_read(tmp_path, type_name):
         ds.load_target(path)
 
 
+@pytest.mark.parametrize("keep", [0.5, 40])  # half the file (in the tensor data), 40 bytes (in the header)
+def test_gguf_truncated_file(tmp_path, keep):
+    path = _write_gguf(tmp_path / "ok.gguf")
+    data = open(path, "rb").read()
+    cut = int(len(data) * keep) if keep < 1 else keep
+    with open(path, "wb") as f:
+        f.write(data[:cut])
+    pattern = (rf"the file is truncated: expected \d+ bytes, got {cut}" if keep < 1
+               else rf"the file is truncated inside its header \(got {cut} bytes\)")
+    with pytest.raises(ValueError, match=pattern) as e:
+        ds.load_target(path)
+    if keep < 1:
+        expected = int(str(e.value).split("expected ")[1].split()[0])
+        assert cut < expected <= len(data)
+
+
 def test_gguf_unsupported_architecture(tmp_path):
     import gguf
 
@@ -201,6 +233,13 @@ def test_prompt_longer_than_context(tiny):
         (dict(min_p=1.5), r"min_p must be in \[0, 1\].*got 1\.5"),
         (dict(max_new_tokens=0), r"max_new_tokens must be an integer >= 1.*got 0"),
         (dict(stop=("",)), r"stop must be a sequence of non-empty strings"),
+        (dict(temperature="0.7"), r"temperature must be a number, got '0\.7' \(str\)"),
+        (dict(top_p="0.9"), r"top_p must be a number, got '0\.9'"),
+        (dict(min_p=None), r"min_p must be a number, got None"),
+        (dict(max_new_tokens="64"), r"max_new_tokens must be an integer >= 1, got '64'"),
+        (dict(seed=1.5), r"seed must be an integer \(any size\) or None"),
+        (dict(seed="7"), r"seed must be an integer"),
+        (dict(stop_token_ids=(2, "x")), r"stop_token_ids must be a sequence of integers"),
     ],
 )
 def test_bad_sampling_params(kw, pattern):

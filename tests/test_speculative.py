@@ -1,4 +1,4 @@
-"""Lossless speculative generation end to end, through `ds.generate` (DESIGN.md §3).
+"""Lossless speculative generation end to end, through `ds.generate` (docs/method.md §5).
 
 Two tiny targets:
 - a *bigram* target (`spec_helpers.bigram_target`): one layer with its attention output and

@@ -1,5 +1,5 @@
 """Greedy speculative decoding of the real SmolLM2-135M-Instruct is token-identical to its
-autoregressive greedy decoding (DESIGN.md §3.1), with a random drafter (almost everything
+autoregressive greedy decoding (docs/method.md §5), with a random drafter (almost everything
 rejected) and with an oracle drafter (almost everything accepted).
 
 One AR run and two speculative runs of 8 chat prompts × up to 128 new tokens (all 8 answers

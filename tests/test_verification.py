@@ -1,4 +1,4 @@
-"""Lossless verification (DESIGN.md §3.1-3.2): direct, vectorised calls of `verify`.
+"""Lossless verification (docs/method.md §4-5): direct, vectorised calls of `verify`.
 
 Each statistical test runs the rule on R = 200 000 independent rows (one PRNG key per row)
 over a 6-token vocabulary, with a fixed target and a deliberately poor draft, and compares

@@ -3,7 +3,7 @@
 Letter legend: S request slots, K verified drafts per cycle (max), N packed tokens
 (= S·(K+1)), T cache length, O output buffer, V vocab, F tapped target features.
 
-One cycle (DESIGN.md §3): draft → choose ℓ_r ≤ K per slot → pack [anchor, d_1..d_ℓ] of
+One cycle (docs/method.md §5, docs/architecture.md): draft → choose ℓ_r ≤ K per slot → pack [anchor, d_1..d_ℓ] of
 every slot into one static bucket → one packed target step (logits + features) →
 verify → commit (rejected cache positions are overwritten later, never read) → append the
 features of anchor + accepted drafts to the drafter's context cache → the last emitted
@@ -71,22 +71,52 @@ def _first_stop(tokens_SJ, limit_S, stop_ids_SM):
     return jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), J), jnp.any(is_stop, 1)
 
 
+def _chunk_take(remaining_S, budget: int):
+    """Slot-major split of a token budget: each slot takes what it still needs, in slot order."""
+    before = jnp.cumsum(remaining_S) - remaining_S
+    return jnp.clip(budget - before, 0, remaining_S)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("tgraph", "drafter", "q_max"), donate_argnames=("st",)
+    jax.jit, static_argnames=("tgraph", "drafter", "q_max", "chunk"), donate_argnames=("st",)
 )
-def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa: SamplingArrays, *, q_max):
-    """Runs the prompts (slot-major in `tokens_N`) and samples each request's first token."""
+def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa: SamplingArrays, *, q_max,
+            chunk=None):
+    """Runs the prompts (slot-major in `tokens_N`) and samples each request's first token.
+
+    The prompts go through the packed step `chunk` tokens at a time (a `lax.while_loop`, so
+    one compiled program serves any prompt length in the bucket): each step's attention
+    scores are [S, H, min(q_max, chunk), T] instead of [S, H, prompt, T], which keeps memory
+    bounded for long prompts. Each chunk continues every unfinished slot where the previous
+    one stopped (starts > 0), slot-major, so a chunk may hold the end of one prompt and the
+    start of the next. `chunk=None`: the whole packed buffer in one step.
+    """
     target = nnx.merge(tgraph, tstate)
     S = lens_S.shape[0]
-    zeros = jnp.zeros((S,), jnp.int32)
+    V = target.cfg.vocab_size
     feature_layers = drafter.feature_layers if drafter is not None else ()
-    idx = jnp.maximum(jnp.cumsum(lens_S) - 1, 0)
-    logits, feats, cache = target(st.cache, tokens_N, zeros, lens_S, q_max=q_max, logits_idx=idx,
-                                  feature_layers=feature_layers)
-    dcache = st.dcache
-    if drafter is not None:
-        lay = packed_layout(zeros, lens_S, tokens_N.shape[0], q_max)
-        dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N)
+    chunk = tokens_N.shape[0] if chunk is None else chunk
+    offs_S = jnp.cumsum(lens_S) - lens_S  # where each prompt starts in tokens_N
+    qc = min(q_max, chunk)
+
+    def body(c):
+        done_S, cache, dcache, last_SV = c
+        take_S = _chunk_take(lens_S - done_S, chunk)
+        lay = packed_layout(done_S, take_S, chunk, qc)
+        src = jnp.clip(offs_S[lay.slot_N] + lay.pos_N, 0, tokens_N.shape[0] - 1)
+        toks = jnp.where(lay.valid_N, tokens_N[src], 0)
+        idx = jnp.maximum(jnp.cumsum(take_S) - 1, 0)  # each slot's last token in this chunk
+        logits, feats, cache = target(cache, toks, done_S, take_S, q_max=qc, logits_idx=idx,
+                                      feature_layers=feature_layers)
+        if drafter is not None:
+            dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N)
+        finished = (take_S > 0) & (done_S + take_S == lens_S)
+        last_SV = jnp.where(finished[:, None], logits, last_SV)
+        return done_S + take_S, cache, dcache, last_SV
+
+    init = (jnp.zeros((S,), jnp.int32), st.cache, st.dcache, jnp.zeros((S, V), jnp.float32))
+    _, cache, dcache, logits = jax.lax.while_loop(lambda c: jnp.any(c[0] < lens_S), body, init)
+    zeros = jnp.zeros((S,), jnp.int32)
     first = sample_or_argmax(_fold(st.keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
     is_stop = jnp.any(first[:, None] == st.stop_ids, -1)
     live = ~st.done

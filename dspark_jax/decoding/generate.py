@@ -20,6 +20,8 @@ import numpy as np
 from dspark_jax.decoding import compile_stats
 from dspark_jax.decoding.engine import GenState, LoopSettings, decode_loop, prefill
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.decoding.seeds import request_keys, resolve_seed
+from dspark_jax.decoding.stop_strings import stop_string_cut
 from dspark_jax.models.target import Target
 from dspark_jax.models.transformer import KVCache
 
@@ -78,20 +80,6 @@ def _normalize_prompts(prompts):
     return list(prompts)
 
 
-def _stop_string_cut(tok, ids: list[int], stops: Sequence[str]) -> tuple[list[int], str] | None:
-    """If the decoded text contains a stop string: (ids up to the token completing it, text before it)."""
-    text = tok.decode(ids)
-    hits = [(text.find(s), s) for s in stops if s in text]
-    if not hits:
-        return None
-    at, s = min(hits)
-    end = at + len(s)
-    for n in range(1, len(ids) + 1):  # shortest prefix whose text holds the stop string
-        if len(tok.decode(ids[:n])) >= end:
-            return ids[:n], text[:at]
-    return ids, text[:at]
-
-
 def generate(
     target: Target,
     prompts,
@@ -101,12 +89,17 @@ def generate(
     policy: str | None = None,
     num_draft: int | None = None,
     chunk_cycles: int = 16,
+    prefill_chunk: int = 512,
 ) -> GenerationOutput:
     """Generates continuations of a batch of prompts; lossless with or without a drafter.
 
     policy: None / "ar" (autoregressive; the drafter is ignored), "fixed" (verify
     `num_draft` ≤ γ drafts per cycle; default γ). "dspark" and "threshold" need the
     confidence scheduler, which is not implemented yet.
+
+    prefill_chunk: prompt tokens per prefill step (a static size). Prefill memory grows with
+    chunk × cache length rather than prompt × cache length; 512 keeps a SmolLM2 prompt at its
+    full 8k context well inside a few GB.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -153,10 +146,15 @@ def generate(
     # Static buckets: a later call of similar size reuses the compiled programs.
     S = next_pow2(B)
     max_new = max(sp.max_new_tokens for sp in params)
-    T = next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128)
+    # Capped at the context: a prompt that fits the model never gets a cache twice its size.
+    # Positions past the cap are only ever written by scratch drafts beyond max_new (dropped).
+    T = min(next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128), cfg.max_position_embeddings)
     O = next_pow2(max_new) + K + 1
     n_prefill = next_pow2(sum(len(x) for x in ids), 16)
-    q_prefill = next_pow2(max(len(x) for x in ids), 16)
+    q_prefill = min(next_pow2(max(len(x) for x in ids), 16), cfg.max_position_embeddings)
+    if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+        raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+    chunk = min(prefill_chunk, n_prefill)
 
     eos = target.eos_token_ids
     stops = []
@@ -178,7 +176,8 @@ def generate(
     tokens[: lens.sum()] = np.concatenate(ids)
     max_new_arr = np.ones(S, np.int32)
     max_new_arr[:B] = [sp.max_new_tokens for sp in params]
-    keys = jax.vmap(jax.random.key)(jnp.asarray([sp.seed for sp in pad_params], jnp.uint32))
+    seeds = [resolve_seed(sp.seed) for sp in params] + [0] * (S - B)  # padding rows: any fixed key
+    keys = request_keys(seeds)
     dparams = drafter.params if drafter is not None else None
     st = GenState(
         cache=KVCache.zeros(cfg, S, T),
@@ -199,7 +198,7 @@ def generate(
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
     st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens),
-                 jnp.asarray(lens), sa, q_max=q_prefill)
+                 jnp.asarray(lens), sa, q_max=q_prefill, chunk=chunk)
     jax.block_until_ready(st.n_out)
     t1 = time.perf_counter()
     settings = LoopSettings(num_draft=K)
@@ -216,7 +215,7 @@ def generate(
             newly = []
             for i in range(B):
                 if i not in cut and params[i].stop:
-                    c = _stop_string_cut(target.tokenizer, out[i, : n_out[i]].tolist(), params[i].stop)
+                    c = stop_string_cut(target.tokenizer.decode, out[i, : n_out[i]].tolist(), params[i].stop)
                     if c is not None:
                         cut[i] = c
                         newly.append(i)
@@ -252,7 +251,9 @@ def generate(
         # Throughput excludes compile time (zero on a warm call with the same buckets).
         "tokens_per_s": n_tok / max(t2 - t0 - compile_s, 1e-9),
         "cycles": cycles.tolist(),
-        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill},
+        "seeds": seeds[:B],  # what each request ran with (drawn fresh where seed=None): rerun with these
+        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill,
+                    "prefill_chunk": chunk},
     }
     if drafter is not None:
         reached = np.asarray(st.reached)[:B].sum(0)

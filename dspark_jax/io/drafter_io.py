@@ -5,7 +5,7 @@ DrafterConfig field, STS temperatures included) and `model.safetensors` holding 
 trainable parameters under their flat NNX paths (`layers.0.self_attn.q_proj.kernel`, ...,
 kernels stored (in, out)). The embedding and LM head are the target's and are not stored.
 
-DeepSpec: an HF `save_pretrained` of `Qwen3DSparkModel` (DESIGN.md §8). Linear weights are
+DeepSpec: an HF `save_pretrained` of `Qwen3DSparkModel` (docs/checkpoints.md). Linear weights are
 (out, in) and get transposed; the mask embedding is the row `mask_token_id` of the
 (frozen, target-equal) token embedding.
 """
@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.config import ModelConfig, hf_rope
 from dspark_jax.decoding.drafting import Drafter
+from dspark_jax.io.json_fields import Fields, read_json_object
 from dspark_jax.models.drafter import TargetCopy, abstract_drafter
 from dspark_jax.models.drafter_config import DrafterConfig
 
@@ -67,18 +70,47 @@ def _config_to_json(cfg: DrafterConfig) -> dict:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, **d}
 
 
-def _config_from_json(d: dict) -> DrafterConfig:
+# Our format: (field, kind, required). Export writes every field; the few optional ones have
+# defaults that are right for a hand-written config (no STS calibration, fp32, training λ).
+_OUR_FIELDS = (
+    ("vocab_size", "int", True), ("hidden_size", "int", True), ("num_heads", "int", True),
+    ("num_kv_heads", "int", True), ("head_dim", "int", True), ("intermediate_size", "int", True),
+    ("num_target_layers", "int", True), ("rope_theta", "float", True), ("rope_scaling", "pairs", False),
+    ("rms_norm_eps", "float", True), ("block_size", "int", True), ("num_layers", "int", True),
+    ("target_layer_ids", "int_list", True), ("markov_rank", "int", True), ("head_type", "str", True),
+    ("confidence_head", "bool", True), ("confidence_with_markov", "bool", True),
+    ("loss_decay", "float", False), ("sts_temperatures", "float_list", False),
+    ("draft_vocab_size", "int", False), ("draft_topk", "int", False), ("dtype", "str", False),
+)
+
+
+def _rope_pairs(f: Fields, name: str):
+    v = f.d.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or any(not isinstance(kv, list) or len(kv) != 2 or not isinstance(kv[0], str)
+                                      for kv in v):
+        raise ValueError(f"{f.source}: field {name!r} must be null or a list of [key, value] pairs, got {v!r}")
+    return tuple(sorted(tuple(kv) for kv in v))
+
+
+def _config_from_json(d: dict, source: str = "drafter config.json") -> DrafterConfig:
     d = {k: v for k, v in d.items() if k not in ("format", "format_version")}
-    known = {f.name for f in dataclasses.fields(DrafterConfig)}
+    known = {name for name, _, _ in _OUR_FIELDS}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"drafter config.json has unknown fields {unknown}")
-    for k in ("target_layer_ids", "sts_temperatures"):
-        if k in d:
-            d[k] = tuple(d[k])
-    if d.get("rope_scaling"):
-        d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
-    return DrafterConfig(**d)
+        raise ValueError(f"{source} has unknown fields {unknown}; known fields: {sorted(known)}")
+    f = Fields(d, source)
+    kw = {}
+    for name, kind, required in _OUR_FIELDS:
+        if kind == "pairs":
+            kw[name] = _rope_pairs(f, name)
+        elif required or name in f:
+            kw[name] = getattr(f, kind)(name)
+    try:
+        return DrafterConfig(**kw)
+    except ValueError as e:  # range checks of DrafterConfig: they name the field
+        raise ValueError(f"{source}: {e}") from e
 
 
 def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
@@ -113,35 +145,81 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def deepspec_config(hf: dict) -> DrafterConfig:
-    """DrafterConfig from a DeepSpec `config.json` (the target's config, amended)."""
+def _deepspec_fields(hf: dict, source: str) -> dict:
+    """Typed reads of a DeepSpec config.json; fields it may leave to the target come back None.
+
+    Structural switches (markov_rank, head type, confidence head) keep DeepSpec's defaults:
+    a wrong one cannot load silently, because every tensor must then match exactly.
+    """
+    f = Fields(hf, source)
+    rank = f.int("markov_rank", 0, minimum=0)
+    head_name = f.str("markov_head_type", "vanilla")
+    head = "none" if rank == 0 else _DEEPSPEC_HEAD.get(head_name.lower())
+    if head is None:
+        raise ValueError(f"{source}: unsupported markov_head_type {head_name!r}; supported: {sorted(_DEEPSPEC_HEAD)}")
+    if f.bool("attention_bias", False):
+        raise ValueError(f"{source}: draft layers with attention_bias=true are not supported")
+    theta, scaling = hf_rope(hf, source)
+    has_rope_spec = "rope_scaling" in f or "rope_parameters" in f
+    return dict(
+        vocab_size=f.int("vocab_size", minimum=1), hidden_size=f.int("hidden_size", minimum=1),
+        num_heads=f.int("num_attention_heads", minimum=1),
+        num_kv_heads=f.int("num_key_value_heads", None, minimum=1),
+        head_dim=f.int("head_dim", None, minimum=1),
+        intermediate_size=f.int("intermediate_size", minimum=1),
+        num_target_layers=f.int("num_target_layers", minimum=1),
+        rope_theta=theta, rope_scaling=scaling if has_rope_spec else None,
+        rms_norm_eps=f.float("rms_norm_eps", None), block_size=f.int("block_size"),
+        num_layers=f.int("num_hidden_layers"), target_layer_ids=f.int_list("target_layer_ids"),
+        markov_rank=rank, head_type=head,
+        confidence_head=f.bool("enable_confidence_head", False),
+        confidence_with_markov=f.bool("confidence_head_with_markov", False),
+        mask_token_id=f.int("mask_token_id", minimum=0),
+        _has_rope_spec=has_rope_spec,
+    )
+
+
+# Fields a DeepSpec config may omit, taken from the target instead: (our name, config.json name).
+_FROM_TARGET = (("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+                ("rms_norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta (or rope_parameters.rope_theta)"))
+
+
+def deepspec_config(hf: dict, target: ModelConfig | None = None, source: str = "DeepSpec config.json"
+                    ) -> DrafterConfig:
+    """DrafterConfig from a DeepSpec `config.json` (the target's config, amended).
+
+    Nothing that changes the numerics gets a silent default: a field the file omits is
+    taken from `target` (the file is a copy of the target's config, so that is what the
+    trainer used), and without a target the load fails naming the field.
+    """
+    kw = _deepspec_fields(hf, source)
+    kw.pop("mask_token_id")
+    has_rope_spec = kw.pop("_has_rope_spec")
+    for ours, theirs in _FROM_TARGET:
+        if kw[ours] is None:
+            if target is None:
+                raise ValueError(f"{source} lacks the field {theirs!r}; load it with target= so the "
+                                 "target's value is used, or add the field")
+            kw[ours] = getattr(target, ours)
+    if target is not None:
+        kw["dtype"] = target.dtype
+        if not has_rope_spec:
+            kw["rope_scaling"] = target.rope_scaling
     try:
-        rank = int(hf.get("markov_rank", 0))
-        head = "none" if rank == 0 else _DEEPSPEC_HEAD.get(str(hf.get("markov_head_type", "vanilla")).lower())
-        if head is None:
-            raise ValueError(f"unsupported markov_head_type {hf.get('markov_head_type')!r}")
-        if hf.get("attention_bias"):
-            raise ValueError("draft layers with attention_bias=true are not supported")
-        n_heads = hf["num_attention_heads"]
-        rope = hf.get("rope_scaling")
-        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
-            rope = tuple(sorted({**rope, "rope_type": rope.get("rope_type", rope.get("type"))}.items()))
-        else:
-            rope = None
-        return DrafterConfig(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_heads=n_heads,
-            num_kv_heads=hf.get("num_key_value_heads", n_heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            intermediate_size=hf["intermediate_size"], num_target_layers=hf["num_target_layers"],
-            rope_theta=float(hf.get("rope_theta", 10000.0)), rope_scaling=rope,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), block_size=int(hf["block_size"]),
-            num_layers=hf["num_hidden_layers"], target_layer_ids=tuple(hf["target_layer_ids"]),
-            markov_rank=rank, head_type=head,
-            confidence_head=bool(hf.get("enable_confidence_head", False)),
-            confidence_with_markov=bool(hf.get("confidence_head_with_markov", False)),
+        return DrafterConfig(**kw)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+
+
+def check_rope_matches(cfg: DrafterConfig, target: ModelConfig, source: str) -> None:
+    """The drafter reads the target's features at the target's positions: same RoPE or fail."""
+    same_theta = math.isclose(cfg.rope_theta, target.rope_theta, rel_tol=1e-9)
+    if not same_theta or (cfg.rope_scaling or None) != (target.rope_scaling or None):
+        raise ValueError(
+            f"{source}: the drafter's RoPE (rope_theta={cfg.rope_theta:g}, rope_scaling={cfg.rope_scaling}) "
+            f"differs from the target's (rope_theta={target.rope_theta:g}, rope_scaling={target.rope_scaling}); "
+            "is this drafter for this target?"
         )
-    except KeyError as e:
-        raise ValueError(f"DeepSpec config.json lacks the field {e.args[0]!r}") from e
 
 
 def deepspec_tensors(cfg: DrafterConfig, sd: dict[str, np.ndarray], mask_token_id: int,
@@ -200,39 +278,67 @@ def deepspec_tensors(cfg: DrafterConfig, sd: dict[str, np.ndarray], mask_token_i
     return out
 
 
-def load_drafter(path: str, target=None) -> Drafter:
-    """Loads our export or a DeepSpec DSpark/DFlash checkpoint directory.
+def _looks_like_deepspec(d: dict) -> bool:
+    archs = d.get("architectures")
+    archs = archs if isinstance(archs, list) else []
+    named = any(isinstance(a, str) and ("DSpark" in a or "DFlash" in a) for a in archs)
+    return named or "block_size" in d or "target_layer_ids" in d
 
-    With `target` given, checks that the drafter fits it (hidden size, vocab, depth, and for
-    DeepSpec checkpoints that the stored embedding equals the target's).
+
+def inspect_drafter(path: str) -> tuple[str, dict]:
+    """Checks a drafter directory without loading weights: ("ours" | "deepspec", config dict).
+
+    Cheap (reads config.json only), so a CLI can call it before the multi-second target load.
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no drafter directory at {path!r}")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json; is it a drafter directory?")
-    with open(cfg_path) as f:
-        d = json.load(f)
+    d = read_json_object(cfg_path, "drafter config")
     if d.get("format") == FORMAT:
-        if d.get("format_version", 1) > FORMAT_VERSION:
-            raise ValueError(f"drafter format version {d['format_version']} is newer than this library")
-        cfg = _config_from_json(d)
+        version = Fields(d, cfg_path).int("format_version", 1)
+        if version > FORMAT_VERSION:
+            raise ValueError(f"{cfg_path!r}: drafter format version {version} is newer than this library "
+                             f"(reads version {FORMAT_VERSION}); upgrade dspark_jax")
+        _config_from_json(d, cfg_path)
+        kind = "ours"
+    elif _looks_like_deepspec(d):
+        _deepspec_fields(d, cfg_path)
+        kind = "deepspec"
+    else:
+        raise ValueError(
+            f"{cfg_path!r} is neither a dspark_jax drafter export nor a DeepSpec DSpark/DFlash config "
+            "(expected 'format': 'dspark_jax.drafter', or a DSpark/DFlash architecture with 'block_size' "
+            "and 'target_layer_ids')"
+        )
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise FileNotFoundError(f"no .safetensors file in {path!r}")
+    return kind, d
+
+
+def load_drafter(path: str, target=None) -> Drafter:
+    """Loads our export or a DeepSpec DSpark/DFlash checkpoint directory.
+
+    With `target` given, checks that the drafter fits it (hidden size, vocab, depth, RoPE,
+    and for DeepSpec checkpoints that the stored embedding equals the target's). A DeepSpec
+    config that omits a numeric field (e.g. RoPE θ) needs `target` to supply it.
+    """
+    kind, d = inspect_drafter(path)
+    source = os.path.join(path, "config.json")
+    if kind == "ours":
+        cfg = _config_from_json(d, source)
         if target is not None:
             cfg.check_compatible(target.cfg)
+            check_rope_matches(cfg, target.cfg, source)
         drafter = _fill(cfg, _read_safetensors(path), f"drafter checkpoint {path!r}")
         return drafter.bind(target) if target is not None else drafter
-    if "block_size" in d and "target_layer_ids" in d:
-        cfg = deepspec_config(d)
-        if target is not None:
-            cfg = cfg.replace(dtype=target.cfg.dtype)
-            cfg.check_compatible(target.cfg)
-        embed = lm = None
-        if target is not None:
-            embed = np.asarray(target.state["embed_tokens"].get_value())
-            lm = np.asarray(target.module().lm_head_matrix()).T  # (V, D) like torch's lm_head.weight
-        tensors = deepspec_tensors(cfg, _read_safetensors(path), int(d.get("mask_token_id", -1)), embed, lm)
-        return _fill(cfg, tensors, f"DeepSpec checkpoint {path!r}")
-    raise ValueError(
-        f"{cfg_path!r} is neither a dspark_jax drafter export nor a DeepSpec DSpark/DFlash config "
-        "(expected 'format': 'dspark_jax.drafter', or 'block_size' and 'target_layer_ids')"
-    )
+    cfg = deepspec_config(d, target.cfg if target is not None else None, source)
+    embed = lm = None
+    if target is not None:
+        cfg.check_compatible(target.cfg)
+        check_rope_matches(cfg, target.cfg, source)
+        embed = np.asarray(target.state["embed_tokens"].get_value())
+        lm = np.asarray(target.module().lm_head_matrix()).T  # (V, D) like torch's lm_head.weight
+    tensors = deepspec_tensors(cfg, _read_safetensors(path), d["mask_token_id"], embed, lm)
+    return _fill(cfg, tensors, f"DeepSpec checkpoint {path!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -64,6 +65,20 @@ class _Header:
         align = int(self.fields.get("general.alignment", 32))
         self.data_start = (self.off + align - 1) // align * align
 
+    def data_end(self) -> int:
+        """Where the last tensor's data ends: a complete file is at least this long."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        end = self.data_start
+        for _, dims, type_id, offset in self.tensors:
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+            except (ValueError, KeyError):
+                continue  # a type we cannot read is reported when the tensor is read
+            n = int(np.prod(dims)) if dims else 1
+            end = max(end, self.data_start + offset + n // block * type_size)
+        return end
+
     def _read(self, fmt):
         v = struct.unpack_from(fmt, self.mv, self.off)[0]
         self.off += struct.calcsize(fmt)
@@ -100,10 +115,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 class GGUFSource:
     def __init__(self, path: str):
+        size = os.path.getsize(path)
         try:
             self.header = _Header(path)
-        except (ValueError, struct.error) as e:
+        except struct.error as e:  # the header itself runs past the end of the file
+            raise ValueError(f"{path!r} is not a readable GGUF file: the file is truncated inside its header "
+                             f"(got {size} bytes); download it again") from e
+        except ValueError as e:
             raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
+        expected = self.header.data_end()
+        if expected > size:
+            raise ValueError(f"{path!r} is not a readable GGUF file: the file is truncated: expected {expected} "
+                             f"bytes, got {size}; download it again")
         self.path = path
         self.fields = self.header.fields
         self.arch = self.fields.get("general.architecture")

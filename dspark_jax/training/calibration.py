@@ -31,6 +31,7 @@ from dspark_jax.decoding.drafting import Drafter
 from dspark_jax.decoding.engine import GenState, LoopSettings, _cycle, _fold, prefill
 from dspark_jax.decoding.generate import encode_prompt, next_pow2
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.models.draft_heads import sample_block
 from dspark_jax.models.transformer import KVCache
 
@@ -302,7 +303,8 @@ def _run_cycles(target, drafter: Drafter, ids: list[list[int]], params: list[Sam
         cache=KVCache.zeros(cfg, S, T), dcache=drafter.init_cache(dparams, S, T),
         seq_len=jnp.zeros(S, jnp.int32), anchor=jnp.zeros(S, jnp.int32), out=jnp.full((S, O), -1, jnp.int32),
         n_out=jnp.zeros(S, jnp.int32), done=jnp.asarray(np.arange(S) >= B), max_new=jnp.asarray(max_new_arr),
-        keys=jax.vmap(jax.random.key)(jnp.asarray([sp.seed for sp in pad], jnp.uint32)),
+        # The engine's own seed → key rule (any int; None = fresh), so sampled cycles match generate's.
+        keys=request_keys([resolve_seed(sp.seed) for sp in params] + [0] * (S - B)),
         stop_ids=jnp.asarray(stop_ids), cycles=jnp.zeros(S, jnp.int32), tau_sum=jnp.zeros(S, jnp.int32),
         reached=jnp.zeros((S, K), jnp.int32), accepted_at=jnp.zeros((S, K), jnp.int32),
     )
