@@ -67,19 +67,23 @@ def bucket_index(B, buckets: Sequence[int]):
     return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), B, side="left")
 
 
-def rate_at(B, rates_U, buckets: Sequence[int]):
-    """SPS(B): the rate of the bucket B runs in; 0 above the largest bucket (impossible)."""
+def rate_at(B, rates_U, buckets: Sequence[int], interpolate: bool = False):
+    """SPS(B): the rate of the bucket B runs in (a staircase), or with `interpolate` the
+    piecewise-linear curve through the bucket points; 0 above the largest bucket."""
+    if interpolate:
+        b = jnp.asarray(buckets, jnp.float32)
+        return jnp.interp(jnp.asarray(B, jnp.float32), b, rates_U, left=rates_U[0], right=0.0)
     u = bucket_index(B, buckets)
     return jnp.where(u < len(buckets), rates_U[jnp.minimum(u, len(buckets) - 1)], 0.0)
 
 
-def _sync_count(a_sorted_M, avail_sorted_M, R, rates_U, buckets):
+def _sync_count(a_sorted_M, avail_sorted_M, R, rates_U, buckets, interpolate=False):
     """Algorithm 1, vectorised: Θ_i = (R + Σ_{m≤i} a_m) · SPS(R + i); admit while each
     admission raises Θ (strictly), stop at the first that does not."""
     M = a_sorted_M.shape[0]
     i = jnp.arange(M + 1)
     tau = R + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.maximum(a_sorted_M, 0.0))])
-    theta = tau * rate_at(R + i, rates_U, buckets)
+    theta = tau * rate_at(R + i, rates_U, buckets, interpolate)
     raises = (theta[1:] > theta[:-1]) & avail_sorted_M
     return jnp.sum(jnp.cumprod(raises.astype(jnp.int32))), theta
 
@@ -112,9 +116,10 @@ def async_budget(prev_conf_RG, active_R, caps_R, rates_U, buckets: Sequence[int]
     return u
 
 
-def _lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R, k, threshold,
-             bucket_u, fill: bool):
-    """(ℓ [R], bucket index) for the given policy; see `schedule`."""
+def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R, k, threshold,
+                     bucket_u, fill: bool, interpolate: bool = False):
+    """(ℓ [R], bucket index) for the given policy (the in-loop form of `schedule`; all
+    arguments already arrays/static, `bucket_u` the async budget)."""
     R_all, G = conf_RG.shape
     a = survival(conf_RG)
     avail = active_R[:, None] & (jnp.arange(G)[None] < caps_R[:, None])
@@ -124,7 +129,7 @@ def _lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R, k, thr
         return ell, bucket_index(R + jnp.sum(ell), buckets)
     order, a_sorted, avail_sorted = _rank_order(a, avail)
     if policy == "sync":
-        n, _ = _sync_count(a_sorted, avail_sorted, R, rates_U, buckets)
+        n, _ = _sync_count(a_sorted, avail_sorted, R, rates_U, buckets, interpolate)
     elif policy == "threshold":
         n = jnp.sum(avail_sorted & (a_sorted >= threshold))
     elif policy == "async":
@@ -168,6 +173,7 @@ def schedule(
     active: jax.Array | None = None,  # [R] bool
     caps: jax.Array | None = None,  # [R] int
     fill: bool = False,
+    interpolate: bool = False,
 ) -> jax.Array:
     """Verification lengths ℓ [R] from calibrated confidences c′ [R, G].
 
@@ -180,6 +186,10 @@ def schedule(
     active [R] bool: requests taking part (others get 0 and do not count in B).
     caps [R]: the most drafts each request may verify (default G).
     fill: admit next-best candidates into the chosen bucket's free slots (causal; see above).
+    interpolate: "sync" decides on the piecewise-linear SPS through the bucket points
+      instead of the staircase. On a staircase, Algorithm 1 stops at a bucket edge unless one
+      candidate alone pays for the whole jump; the linear curve prices each token at its
+      share of the jump, and `fill` then uses the bucket's remaining room.
     """
     conf = jnp.asarray(confidences, jnp.float32)
     if conf.ndim != 2:
@@ -210,7 +220,8 @@ def schedule(
         bucket_u = async_budget(jnp.asarray(prev_confidences, jnp.float32), active, caps, rates, buckets)
     elif policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    ell, _ = _lengths(conf, policy, rates, buckets, active_R=active, caps_R=caps, k=k or 0,
-                      threshold=threshold or 0.0, bucket_u=bucket_u, fill=fill)
+    ell, _ = schedule_lengths(conf, policy, rates, buckets, active_R=active, caps_R=caps, k=k or 0,
+                      threshold=threshold or 0.0, bucket_u=bucket_u, fill=fill,
+                              interpolate=interpolate)
     return ell
 
