@@ -231,8 +231,7 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
             u = bucket_index(jnp.sum(active) + jnp.sum(nv), buckets)
         else:
             nv, u = schedule_lengths(conf, policy, sched.rates, buckets, active_R=active, caps_R=caps, k=K,
-                                     threshold=sched.threshold, bucket_u=u, fill=True,
-                                     interpolate=True)
+                                     threshold=sched.threshold, bucket_u=u, fill=True)
         nv = jnp.where(drafted, nv, 0)
         # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.
         sizes = (S, *buckets)

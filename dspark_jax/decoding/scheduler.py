@@ -67,25 +67,39 @@ def bucket_index(B, buckets: Sequence[int]):
     return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), B, side="left")
 
 
-def rate_at(B, rates_U, buckets: Sequence[int], interpolate: bool = False):
-    """SPS(B): the rate of the bucket B runs in (a staircase), or with `interpolate` the
-    piecewise-linear curve through the bucket points; 0 above the largest bucket."""
-    if interpolate:
-        b = jnp.asarray(buckets, jnp.float32)
-        return jnp.interp(jnp.asarray(B, jnp.float32), b, rates_U, left=rates_U[0], right=0.0)
+def rate_at(B, rates_U, buckets: Sequence[int]):
+    """SPS(B): the rate of the bucket B runs in; 0 above the largest bucket (impossible)."""
     u = bucket_index(B, buckets)
     return jnp.where(u < len(buckets), rates_U[jnp.minimum(u, len(buckets) - 1)], 0.0)
 
 
-def _sync_count(a_sorted_M, avail_sorted_M, R, rates_U, buckets, interpolate=False):
-    """Algorithm 1, vectorised: Θ_i = (R + Σ_{m≤i} a_m) · SPS(R + i); admit while each
-    admission raises Θ (strictly), stop at the first that does not."""
+def _sync_count(a_sorted_M, avail_sorted_M, R, rates_U, buckets):
+    """Algorithm 1 over static buckets, vectorised. Returns the number of candidates admitted.
+
+    Start in the smallest bucket holding the R anchors, filled with the best candidates
+    (free: the step costs the same). Open the next bucket only if it raises Θ even
+    optimistically — every new slot as good as the best candidate left, the one at the
+    bucket edge — and stop at the first bucket that does not. Each decision reads the
+    candidates ranked above the edge plus the edge candidate itself, so it is causal. With
+    one bucket per token count this is exactly Algorithm 1 (each new "bucket" holds just
+    the edge candidate). Admitting one candidate at a time on a staircase instead would
+    stall at every edge: one candidate rarely pays for a whole bucket's extra cost."""
     M = a_sorted_M.shape[0]
-    i = jnp.arange(M + 1)
-    tau = R + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.maximum(a_sorted_M, 0.0))])
-    theta = tau * rate_at(R + i, rates_U, buckets, interpolate)
-    raises = (theta[1:] > theta[:-1]) & avail_sorted_M
-    return jnp.sum(jnp.cumprod(raises.astype(jnp.int32))), theta
+    U = len(buckets)
+    n_avail = jnp.sum(avail_sorted_M)
+    n_U = jnp.clip(jnp.asarray(buckets, jnp.int32) - R, 0, n_avail)  # candidates bucket u holds
+    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted_M, a_sorted_M, 0.0))])
+    rates_U = jnp.asarray(rates_U, jnp.float32)
+    theta_fill = (R + csum[n_U]) * rates_U
+    prev_n = jnp.concatenate([jnp.zeros((1,), jnp.int32), n_U[:-1]])
+    a_edge = jnp.where(prev_n < n_avail, a_sorted_M[jnp.clip(prev_n, 0, M - 1)], 0.0)
+    theta_est = (R + csum[prev_n] + (n_U - prev_n) * a_edge) * rates_U
+    prev_theta = jnp.concatenate([jnp.full((1,), -jnp.inf), theta_fill[:-1]])
+    u0 = bucket_index(R, buckets)
+    u = jnp.arange(U)
+    opens = (u <= u0) | ((theta_est > prev_theta) & (n_U > prev_n))
+    u_star = jnp.clip(jnp.sum(jnp.cumprod(opens.astype(jnp.int32))) - 1, 0, U - 1)
+    return n_U[u_star]
 
 
 def _fill_count(n_admit, avail_sorted_M, R, buckets):
@@ -117,7 +131,7 @@ def async_budget(prev_conf_RG, active_R, caps_R, rates_U, buckets: Sequence[int]
 
 
 def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R, k, threshold,
-                     bucket_u, fill: bool, interpolate: bool = False):
+                     bucket_u, fill: bool):
     """(ℓ [R], bucket index) for the given policy (the in-loop form of `schedule`; all
     arguments already arrays/static, `bucket_u` the async budget)."""
     R_all, G = conf_RG.shape
@@ -129,7 +143,7 @@ def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R
         return ell, bucket_index(R + jnp.sum(ell), buckets)
     order, a_sorted, avail_sorted = _rank_order(a, avail)
     if policy == "sync":
-        n, _ = _sync_count(a_sorted, avail_sorted, R, rates_U, buckets, interpolate)
+        n = _sync_count(a_sorted, avail_sorted, R, rates_U, buckets)
     elif policy == "threshold":
         n = jnp.sum(avail_sorted & (a_sorted >= threshold))
     elif policy == "async":
@@ -137,7 +151,7 @@ def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R
         n = jnp.where(bucket_u < 0, 0, jnp.minimum(n, jnp.sum(avail_sorted)))
     else:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if fill and policy != "async":  # async fills by construction (K = bucket − R)
+    if fill and policy == "threshold":  # sync and async fill their bucket by construction
         n = _fill_count(n, avail_sorted, R, buckets)
     ell = _lengths_from_count(order, n, (R_all, G))
     u = bucket_u if policy == "async" else bucket_index(R + jnp.sum(ell), buckets)
@@ -173,23 +187,19 @@ def schedule(
     active: jax.Array | None = None,  # [R] bool
     caps: jax.Array | None = None,  # [R] int
     fill: bool = False,
-    interpolate: bool = False,
 ) -> jax.Array:
     """Verification lengths ℓ [R] from calibrated confidences c′ [R, G].
 
     sps: the step-rate table — a mapping {packed tokens: steps/s}, or an array of rates over
       `buckets` (ascending packed-token sizes; without `buckets`, sps[i] is the rate at i + 1
       tokens). A step of B = R + Σℓ tokens costs the rate of the smallest bucket ≥ B.
-    policy: "sync" (paper Algorithm 1), "async" (budget from `prev_confidences`, the
-      confidences of an earlier step, then top-K by current survival; all-zero lengths when
-      not drafting wins), "threshold" (ℓ_r = #{j: a_{r,j} ≥ threshold}), "fixed" (ℓ_r = k).
+    policy: "sync" (paper Algorithm 1, over static buckets: see `_sync_count`), "async"
+      (budget from `prev_confidences`, the confidences of an earlier step, then top-K by
+      current survival), "threshold" (ℓ_r = #{j: a_{r,j} ≥ threshold}), "fixed" (ℓ_r = k).
     active [R] bool: requests taking part (others get 0 and do not count in B).
     caps [R]: the most drafts each request may verify (default G).
-    fill: admit next-best candidates into the chosen bucket's free slots (causal; see above).
-    interpolate: "sync" decides on the piecewise-linear SPS through the bucket points
-      instead of the staircase. On a staircase, Algorithm 1 stops at a bucket edge unless one
-      candidate alone pays for the whole jump; the linear curve prices each token at its
-      share of the jump, and `fill` then uses the bucket's remaining room.
+    fill: "threshold" admits next-best candidates into the chosen bucket's free slots
+      (causal; see above). "sync" and "async" always fill the bucket they choose.
     """
     conf = jnp.asarray(confidences, jnp.float32)
     if conf.ndim != 2:
@@ -221,7 +231,7 @@ def schedule(
     elif policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     ell, _ = schedule_lengths(conf, policy, rates, buckets, active_R=active, caps_R=caps, k=k or 0,
-                      threshold=threshold or 0.0, bucket_u=bucket_u, fill=fill,
-                              interpolate=interpolate)
+                      threshold=threshold or 0.0, bucket_u=bucket_u, fill=fill)
+
     return ell
 
