@@ -9,6 +9,8 @@ leak could be: a scheduler that let x_j decide whether x_j is verified would bia
 - A deliberately non-causal scheduler — per request, the best of *all* prefixes by Θ,
   Algorithm 1 without its early exit — fails the same test: whether x_j is verified then
   depends on c′_{j+1} = g[x_j] (paper Appendix A).
+- Appendix A itself, on `ds.verify` directly: a length that reads the token gives
+  (0.85, 0.15) for the target (0.7, 0.3).
 
 False-failure rate: each positive configuration computes NEW + 2 = 8 statistics at
 P_PASS = 1e-4, so ≤ 2.4e-3 over the three; seeds are fixed, so the outcome is deterministic.
@@ -148,3 +150,31 @@ def test_noncausal_scheduler_is_detected(setup):
     toks, stats = run(setup, policy="dspark", scheduler=noncausal_full_search)
     ps = pvalues(toks, setup[1])
     assert ps.min() < 1e-12, ps
+
+
+def test_appendix_a_counterexample():
+    """The paper's Appendix A, exactly: target (0.7, 0.3), draft (0.5, 0.5), one draft per
+    row. Verifying the draft only when it is token 0 (a length that reads the token itself)
+    emits token 0 with probability 0.5 + 0.5·0.7 = 0.85; a length chosen without looking at
+    the token (here a coin flip) keeps the target's (0.7, 0.3)."""
+    import jax
+
+    from dspark_jax.decoding.sampling import SamplingArrays
+
+    R = 4000
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2, (R, 1)).astype(np.int32)  # drawn from the draft (0.5, 0.5)
+    d_logits = np.log(np.full((R, 1, 2), 0.5, np.float32))
+    t_logits = np.log(np.broadcast_to(np.array([0.7, 0.3], np.float32), (R, 2, 2)))
+    sa = SamplingArrays.from_params([ds.SamplingParams(temperature=1.0)] * R)
+    keys = jax.vmap(jax.random.key)(jnp.arange(R, dtype=jnp.uint32))
+
+    def first_token(num_verify):
+        _, emitted = ds.verify(keys, jnp.asarray(x), jnp.asarray(d_logits), jnp.asarray(t_logits),
+                               jnp.asarray(num_verify, jnp.int32), sa)
+        return counts(np.asarray(emitted)[:, 0], 2)
+
+    leaky = first_token(x[:, 0] == 0)
+    assert abs(leaky[0] / R - 0.85) < 0.03 and chi2_pvalue(leaky, [0.7, 0.3]) < 1e-12
+    causal = first_token(rng.integers(0, 2, R))
+    assert chi2_pvalue(causal, [0.7, 0.3]) > P_PASS
