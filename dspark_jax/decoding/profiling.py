@@ -118,15 +118,20 @@ def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anc
                          nv, active, num_tokens=num_tokens, q_max=q_max)
 
 
-def _median_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
+def _median_times(fns, repeats: int, warmup: int = 2) -> list[float]:
+    """Median wall time of each fn() after warm-up, measured round-robin (one call of each
+    per round) so that a burst of load from other processes hits every entry alike rather
+    than inflating one bucket."""
+    for fn in fns:
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def _spread(total: int, slots: int, num_draft: int) -> np.ndarray:
@@ -136,7 +141,7 @@ def _spread(total: int, slots: int, num_draft: int) -> np.ndarray:
 
 
 def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
-                       buckets: Sequence[int], repeats: int = 5) -> StepRates:
+                       buckets: Sequence[int], repeats: int = 7) -> StepRates:
     """Times draft(S), verify(S, N) for every bucket N, and the no-draft step (uncached)."""
     S, K, T = slots, num_draft, cache_len
     V = target.cfg.vocab_size
@@ -149,26 +154,25 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
     pos = jnp.full((S,), T // 2, jnp.int32)
     anchor = jnp.zeros((S,), jnp.int32)
     tg, ts = target.graphdef, target.state
-    draft_s = _median_time(lambda: _draft_step(tg, ts, drafter, dparams, dcache, anchor, pos, keys, sa), repeats)
     d_tok = jnp.zeros((S, K), jnp.int32)
     d_logits = jnp.zeros((S, K, V), jnp.float32)
     active = jnp.ones((S,), bool)
 
-    def verify_time(n_tokens, q_max):
+    def verify_fn(n_tokens, q_max):
         nv = jnp.asarray(_spread(n_tokens - S, S, K))
-        return _median_time(lambda: _verify_step(tg, ts, drafter, dparams, cache, dcache, pos, anchor, sa, keys,
-                                                 d_tok, d_logits, nv, active, num_tokens=n_tokens,
-                                                 q_max=q_max), repeats)
+        return lambda: _verify_step(tg, ts, drafter, dparams, cache, dcache, pos, anchor, sa, keys, d_tok, d_logits,
+                                    nv, active, num_tokens=n_tokens, q_max=q_max)
 
-    verify_s = [verify_time(n, K + 1) for n in buckets]
-    ar_s = verify_time(S, 1)
+    fns = [lambda: _draft_step(tg, ts, drafter, dparams, dcache, anchor, pos, keys, sa), verify_fn(S, 1)]
+    fns += [verify_fn(n, K + 1) for n in buckets]
+    draft_s, ar_s, *verify_s = _median_times(fns, repeats)
     # Monotone: a bigger bucket never runs faster (noise would otherwise attract the scheduler).
     verify_s = np.maximum.accumulate(np.asarray(verify_s)).tolist()
     return StepRates(S, tuple(int(b) for b in buckets), float(draft_s), tuple(verify_s), float(ar_s))
 
 
 def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
-                       buckets: Sequence[int] | None = None, repeats: int = 5, cache_dir: str | None = None,
+                       buckets: Sequence[int] | None = None, repeats: int = 7, cache_dir: str | None = None,
                        reprofile: bool = False) -> StepRates:
     """The step-rate table of (target, drafter) at S = `slots`, from the disk cache when it
     holds one for this device, model, dtype and bucket list, else measured and stored."""

@@ -154,8 +154,9 @@ def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R
     if fill and policy == "threshold":  # sync and async fill their bucket by construction
         n = _fill_count(n, avail_sorted, R, buckets)
     ell = _lengths_from_count(order, n, (R_all, G))
-    u = bucket_u if policy == "async" else bucket_index(R + jnp.sum(ell), buckets)
-    return ell, u
+    # The smallest bucket holding what was admitted: below the async budget when fewer
+    # candidates exist (the cost changes, the output distribution cannot).
+    return ell, bucket_index(R + jnp.sum(ell), buckets)
 
 
 def as_table(sps, num_buckets_hint: int | None = None) -> tuple[tuple[int, ...], jax.Array]:
