@@ -98,6 +98,8 @@ def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, lens_S, new_
         accepted_at=pick(jnp.zeros_like(st.accepted_at), st.accepted_at),
         verified=pick(zeros, st.verified),
         prev_conf=pick(jnp.ones_like(st.prev_conf), st.prev_conf),
+        acc_w=pick(jnp.zeros_like(st.acc_w), st.acc_w),
+        reach_w=pick(jnp.zeros_like(st.reach_w), st.reach_w),
     )
 
 

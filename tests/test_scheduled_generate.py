@@ -5,10 +5,12 @@
 - `policy="dspark"` (async and sync) and `"threshold"`: greedy output equals
   autoregressive decoding; the step-rate table is an argument (a new table compiles
   nothing); the table decides which compiled bucket runs (cheap big buckets → the largest,
-  expensive ones → small); async skips the drafter when not drafting is faster.
+  expensive ones → small); async skips the drafter when not drafting is faster, and
+  stops trusting a drafter whose confidences overclaim.
 Runtime: ~40 s on a shared 2-core CPU, mostly compiles (five bucket variants per loop).
 """
 
+import dataclasses
 import json
 import os
 
@@ -109,14 +111,43 @@ def test_the_table_is_an_argument_and_decides_the_bucket(tiny):
 
 
 def test_async_skips_a_drafter_that_does_not_pay(tiny):
-    # The drafter costs 10x a target step: verifying anchors without drafting wins.
+    # The drafter costs 10x a target step: verifying anchors without drafting wins even if
+    # every draft were accepted, so the drafter never runs.
     table = StepRates(S, BUCKETS, draft_s=1.0, verify_s=(0.1, 0.11, 0.12, 0.13), ar_s=0.1)
     out = ds.generate(tiny["target"], tiny["prompts"], drafter=tiny["drafter"], sampling=greedy(), num_draft=K,
                       policy="dspark", step_rates=table)
     assert out.token_ids == tiny["ar"]
-    # Even optimistic confidences (the start) lose to skipping; only the periodic probe
-    # (every 8th step; it then takes the bucket the stale confidences favour) drafts.
-    assert out.stats["drafted_steps"] == 1 / 11 and out.stats["verified_per_request"] == [3] * S
+    assert out.stats["drafted_steps"] == 0 and out.stats["verified_per_request"] == [0] * S
+    assert out.stats["bucket_per_step"] == S
+
+
+@dataclasses.dataclass(frozen=True)
+class Overclaiming(OracleDrafter):
+    """Fixed continuations with confidence 0.6 at every position (a distinct class: it never
+    shares a compiled program with a plain oracle)."""
+
+    def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa):
+        tok, logits, conf = super().draft(params, cache, target, anchor_S, anchor_pos_S, keys_S, sa)
+        return tok, logits, 0.6 * conf
+
+
+def test_async_calibrates_a_drafter_that_overclaims(tiny):
+    """A drafter that claims 60% per draft and is always wrong: drafting would pay if it were
+    right, so async tries, learns from the rejections and stops drafting."""
+    t, V = tiny["target"], tiny["target"].cfg.vocab_size
+    conts = [[(x + 1) % V for x in a] for a in tiny["ar"]]
+    wrong = Overclaiming.from_lists(conts, PROMPT_LENS, V, block_size=K)
+    table = StepRates(S, BUCKETS, draft_s=0.02, verify_s=(0.1, 0.105, 0.11, 0.115), ar_s=0.1)
+    out = ds.generate(t, tiny["prompts"], drafter=wrong, sampling=greedy(), num_draft=K, policy="dspark",
+                      step_rates=table)
+    assert out.token_ids == tiny["ar"] and out.stats["tau"] == 1.0
+    # Two failed tries (11 cycles): after them the calibrated first-position confidence is
+    # 0.3 / 2.5 = 0.12, and 8 anchors alone at 10 steps/s beat (8 + 8·0.24)·7.4.
+    assert out.stats["drafted_steps"] == 2 / 11
+    right = Overclaiming.from_lists(tiny["ar"], PROMPT_LENS, V, block_size=K)
+    out = ds.generate(t, tiny["prompts"], drafter=right, sampling=greedy(), num_draft=K, policy="dspark",
+                      step_rates=table)
+    assert out.token_ids == tiny["ar"] and out.stats["drafted_steps"] == 1.0 and out.stats["tau"] > 2
 
 
 def test_errors(tiny):

@@ -53,7 +53,11 @@ class LoopSettings:
     # (conf [S, K], active [S], caps [S], rates [U], buckets) -> lengths [S].
     policy: Any = "fixed"
     buckets: tuple[int, ...] = ()  # packed-token buckets of the scheduled policies, ascending
-    probe_every: int = 8  # async: draft at least every this many steps (see `_cycle`)
+    # async: the budget's confidences are calibrated online per slot (see `_cycle`): observed
+    # acceptances, decayed by `calib_decay` per cycle, against the drafter's own confidences
+    # worth `calib_prior` observations.
+    calib_decay: float = 0.99
+    calib_prior: float = 0.5
 
 
 @struct.dataclass
@@ -89,7 +93,8 @@ class GenState:
     # Scheduler state and statistics (`with_sched_state` fills them before the loop).
     verified: Any = None  # [S] Σ verified drafts ℓ over cycles
     prev_conf: Any = None  # [S, K] calibrated confidences of the slot's last draft (async budget)
-    since_draft: Any = None  # [] steps since the drafter last ran
+    acc_w: Any = None  # [S, K] decayed count of accepted drafts per position (async calibration)
+    reach_w: Any = None  # [S, K] decayed count of verified drafts whose prefix was accepted
     steps: Any = None  # [] cycles run by the loop (with any active slot)
     drafted_steps: Any = None  # [] of which drafted
     budget_sum: Any = None  # [] Σ packed tokens used (B = R + Σℓ)
@@ -103,8 +108,10 @@ def with_sched_state(st: GenState, num_draft: int) -> GenState:
     def z():
         return jnp.zeros((), jnp.int32)
 
-    return st.replace(verified=jnp.zeros((S,), jnp.int32), prev_conf=jnp.ones((S, num_draft), jnp.float32),
-                      since_draft=z(), steps=z(), drafted_steps=z(), budget_sum=z(), bucket_sum=z())
+    K = num_draft
+    return st.replace(verified=jnp.zeros((S,), jnp.int32), prev_conf=jnp.ones((S, K), jnp.float32),
+                      acc_w=jnp.zeros((S, K), jnp.float32), reach_w=jnp.zeros((S, K), jnp.float32),
+                      steps=z(), drafted_steps=z(), budget_sum=z(), bucket_sum=z())
 
 
 def _fold(keys, data):
@@ -204,7 +211,6 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
 
     policy = settings.policy
     drafted = jnp.bool_(K > 0)
-    since_draft = st.since_draft
     if K == 0 or policy == "fixed":
         d_tok, d_logits, conf = draft() if K > 0 else no_draft()
         nv = caps
@@ -214,13 +220,14 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
     else:
         buckets = settings.buckets
         if policy == "async":
-            # The budget comes from earlier steps' confidences only, before drafting, so a
-            # budget of 0 skips the drafter. A skipped step learns nothing new about the
-            # drafter, so every `probe_every`-th step drafts anyway (≤ 1/probe_every of a
-            # draft's cost when the drafter is useless).
-            probe = since_draft + 1 >= settings.probe_every
-            u = async_budget(st.prev_conf, active, caps, sched.rates, buckets,
-                             skip_rate=jnp.where(probe, 0.0, sched.skip_rate))
+            # The budget comes from earlier steps only (never this step's drafts), so it is
+            # known before drafting and a budget of 0 skips the drafter. Its confidences are
+            # calibrated online: each position's observed acceptance (a decayed count) against
+            # the drafter's last confidences as a prior — an uncalibrated drafter that claims
+            # much and delivers nothing is switched off after a failed try, and re-tried as
+            # the evidence fades.
+            pred = (st.acc_w + settings.calib_prior * st.prev_conf) / (st.reach_w + settings.calib_prior)
+            u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate)
             drafted = u >= 0
             d_tok, d_logits, conf = jax.lax.cond(drafted, draft, no_draft)
         else:
@@ -238,7 +245,6 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
         branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1)] + [
             functools.partial(verify_bucket, num_tokens=n, q_max=K + 1) for n in buckets]
         idx = jnp.where(drafted, 1 + jnp.clip(u, 0, len(buckets) - 1), 0).astype(jnp.int32)
-        since_draft = jnp.where(drafted, 0, since_draft + 1)
 
     def run(i):
         return lambda ops: branches[i](target, drafter, dparams, *ops)
@@ -259,6 +265,9 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
     j = jnp.arange(K)[None]
     act = active[:, None]
     any_active = jnp.any(active)
+    reached_now = act & (j < nv[:, None]) & (j <= accepted[:, None])
+    accepted_now = act & (j < accepted[:, None])
+    lam = jnp.where(act, settings.calib_decay, 1.0)
     return st.replace(
         cache=cache,
         dcache=dcache,
@@ -269,11 +278,12 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
         done=st.done | (active & (hit | (n_out >= st.max_new))),
         cycles=st.cycles + active,
         tau_sum=st.tau_sum + jnp.where(active, accepted + 1, 0),
-        reached=st.reached + (act & (j < nv[:, None]) & (j <= accepted[:, None])),
-        accepted_at=st.accepted_at + (act & (j < accepted[:, None])),
+        reached=st.reached + reached_now,
+        accepted_at=st.accepted_at + accepted_now,
         verified=st.verified + jnp.where(active, nv, 0),
         prev_conf=jnp.where(act & drafted, conf, st.prev_conf),
-        since_draft=since_draft,
+        acc_w=lam * st.acc_w + accepted_now,
+        reach_w=lam * st.reach_w + reached_now,
         steps=st.steps + any_active,
         drafted_steps=st.drafted_steps + (any_active & drafted),
         budget_sum=st.budget_sum + jnp.sum(jnp.where(active, 1 + nv, 0)),
