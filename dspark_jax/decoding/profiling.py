@@ -86,6 +86,7 @@ class StepRates:
 def _model_key(target, drafter, slots, num_draft, cache_len, buckets) -> dict:
     dcfg = getattr(drafter, "cfg", None)
     return {
+        "method": "draft(S) + verify(S, N), round-robin median, v1",  # bump to invalidate old tables
         "device": jax.devices()[0].device_kind,
         "model": target.name,
         "config": hashlib.sha1(repr(target.cfg).encode()).hexdigest()[:16],
