@@ -16,7 +16,8 @@ bucket of S·(K+1) tokens. The confidence schedulers ("sync", "async", "threshol
 `scheduler.py`) choose ℓ_r from the drafter's calibrated confidences and a step-rate table
 (an array argument), and `lax.switch` runs the packed target step compiled for the chosen
 bucket, so a smaller budget makes a cheaper step. "async" chooses the bucket before
-drafting, from earlier confidences, and skips the drafter when verifying anchors only pays.
+drafting, from earlier confidences calibrated online against observed acceptances, and
+skips the drafter when verifying anchors only pays.
 
 A drafter plugs in through three pure methods (called inside jit; the drafter object is a
 static argument, its parameters a traced one):
