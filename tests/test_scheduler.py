@@ -236,6 +236,8 @@ def test_async_budget_comes_from_the_previous_confidences():
     assert ell.tolist() == [0, 0, 0, 0]  # the smallest bucket: anchors only
     ell = np.asarray(schedule(cur, rates, "async", buckets=buckets, prev_confidences=good))
     assert ell.tolist() == [3, 3, 3, 3]  # bucket 16: 4 anchors + 12 drafts
+    ell = np.asarray(schedule(cur, rates, "async", buckets=buckets, prev_confidences=good, skip_rate=10.0))
+    assert ell.tolist() == [0, 0, 0, 0]  # 4 anchors at 10 steps/s beat every bucket: no drafting
     with pytest.raises(ValueError, match="prev_confidences"):
         schedule(cur, rates, "async", buckets=buckets)
 

@@ -188,6 +188,7 @@ def schedule(
     active: jax.Array | None = None,  # [R] bool
     caps: jax.Array | None = None,  # [R] int
     fill: bool = False,
+    skip_rate: float | None = None,
 ) -> jax.Array:
     """Verification lengths ℓ [R] from calibrated confidences c′ [R, G].
 
@@ -199,6 +200,8 @@ def schedule(
       current survival), "threshold" (ℓ_r = #{j: a_{r,j} ≥ threshold}), "fixed" (ℓ_r = k).
     active [R] bool: requests taking part (others get 0 and do not count in B).
     caps [R]: the most drafts each request may verify (default G).
+    skip_rate: "async": steps/s of a step that does not draft; when that beats every bucket
+      the budget is 0 and every length is 0 (in the decode loop the drafter then does not run).
     fill: "threshold" admits next-best candidates into the chosen bucket's free slots
       (causal; see above). "sync" and "async" always fill the bucket they choose.
     """
@@ -228,7 +231,8 @@ def schedule(
         if prev_confidences is None:
             raise ValueError("policy='async' needs prev_confidences (an earlier step's confidences); "
                              "using this step's own would not be the async rule")
-        bucket_u = async_budget(jnp.asarray(prev_confidences, jnp.float32), active, caps, rates, buckets)
+        bucket_u = async_budget(jnp.asarray(prev_confidences, jnp.float32), active, caps, rates, buckets,
+                                skip_rate=skip_rate)
     elif policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     ell, _ = schedule_lengths(conf, policy, rates, buckets, active_R=active, caps_R=caps, k=k or 0,
