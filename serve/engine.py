@@ -4,8 +4,9 @@
     r = eng.submit("Hello", ds.SamplingParams(max_new_tokens=64), on_token=print)
     eng.run()            # or eng.step() from your own loop; eng.cancel(r) at any time
 
-Each `step()` admits queued requests into free slots (one jitted admission: the new
-prompts' packed prefill, touching only those slots), runs `cycles_per_step` cycles of the
+Each `step()` admits queued requests into free slots and prefills prompts in chunks (one
+jitted admission of at most P packed prompt tokens, touching only those slots; a long
+prompt takes several steps while the other slots keep decoding), runs `cycles_per_step` cycles of the
 same on-device loop `generate()` uses (`decode_loop`, with the chosen policy over all active
 slots), then streams the new tokens of every request to its callback and retires finished
 or cancelled requests, freeing their slots.
@@ -44,7 +45,8 @@ class Request:
     sampling: SamplingParams
     on_token: Callable[[Request, list[int]], None] | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
-    status: str = "queued"  # queued → running → finished | cancelled
+    status: str = "queued"  # queued → prefilling → running → finished | cancelled
+    prefilled: int = 0  # prompt tokens in the cache
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     text: str | None = None
     slot: int | None = None
@@ -55,23 +57,26 @@ class Request:
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "q_max"), donate_argnames=("st",))
-def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, lens_S, new_S, max_new_S, keys_S,
-          stop_ids_SM, sa: SamplingArrays, *, q_max):
-    """Prefills the prompts of the slots in `new_S` (packed in `tokens_P`, slot-major) and
-    samples their first tokens; every other slot's state, cache included, is untouched
-    (its packed count is 0, so nothing of it is written)."""
+def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, lens_S, chunk_S, final_S,
+          max_new_S, keys_S, stop_ids_SM, sa: SamplingArrays, *, q_max):
+    """Prefills one chunk of prompt for each slot in `chunk_S` (`lens_S` tokens at positions
+    `starts_S`..., packed slot-major in `tokens_P`); the slots in `final_S` (their prompt is
+    now complete) sample their first token and start decoding. Every other slot's state,
+    cache included, is untouched (its packed count is 0, so nothing of it is written)."""
     target = nnx.merge(tgraph, tstate)
     S = lens_S.shape[0]
     zeros = jnp.zeros((S,), jnp.int32)
-    lens = jnp.where(new_S, lens_S, 0)
+    lens = jnp.where(chunk_S, lens_S, 0)
     feature_layers = drafter.feature_layers if drafter is not None else ()
     idx = jnp.maximum(jnp.cumsum(lens) - 1, 0)
-    logits, feats, cache = target(st.cache, tokens_P, zeros, lens, q_max=q_max, logits_idx=idx,
+    logits, feats, cache = target(st.cache, tokens_P, starts_S, lens, q_max=q_max, logits_idx=idx,
                                   feature_layers=feature_layers)
     dcache = st.dcache
     if drafter is not None:
-        lay = packed_layout(zeros, lens, tokens_P.shape[0], q_max)
+        lay = packed_layout(starts_S, lens, tokens_P.shape[0], q_max)
         dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N)
+    st = st.replace(cache=cache, dcache=dcache, seq_len=jnp.where(chunk_S, starts_S + lens, st.seq_len))
+    new_S = final_S & chunk_S
     keys = jnp.where(new_S, keys_S, st.keys)
     first = sample_or_argmax(_fold(keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
     is_stop = jnp.any(first[:, None] == stop_ids_SM, -1)
@@ -82,9 +87,6 @@ def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, lens_S, new_
         return jnp.where(new_S.reshape((S,) + (1,) * (old.ndim - 1)), fresh, old)
 
     return st.replace(
-        cache=cache,
-        dcache=dcache,
-        seq_len=pick(lens, st.seq_len),
         anchor=pick(first, st.anchor),
         out=jnp.where(new2, jnp.full_like(st.out, -1).at[:, 0].set(first), st.out),
         n_out=pick(n_first, st.n_out),
@@ -173,9 +175,6 @@ class Engine:
                on_token: Callable[[Request, list[int]], None] | None = None) -> Request:
         sp = sampling or SamplingParams()
         ids = encode_prompt(self.target, prompt)
-        if len(ids) > self.P:
-            raise ValueError(f"prompt has {len(ids)} tokens; this engine admits at most {self.P} "
-                             "(raise prefill_tokens)")
         if sp.max_new_tokens > self.max_new_tokens:
             raise ValueError(f"max_new_tokens={sp.max_new_tokens} exceeds the engine's {self.max_new_tokens}")
         if len(ids) + sp.max_new_tokens + self.K + 1 > self.T:
@@ -192,7 +191,7 @@ class Engine:
         if req.status == "queued":
             self.queue.remove(req)
             self._finish(req, "cancelled")
-        elif req.status == "running":
+        elif req.status in ("prefilling", "running"):
             self.st = self.st.replace(done=self.st.done.at[req.slot].set(True))
             self._finish(req, "cancelled")
 
@@ -208,7 +207,7 @@ class Engine:
     def step(self) -> None:
         t0 = time.perf_counter()
         self._admit()
-        if self.running:
+        if any(r.status == "running" for r in self.running.values()):
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
                                   self.sa, jnp.int32(self.cycles_per_step), self.sched, settings=self.settings)
             self._collect()
@@ -227,49 +226,58 @@ class Engine:
     # ------------------------------------------------------------------ internals
 
     def _admit(self):
-        free = [s for s in range(self.S) if s not in self.running]
-        batch, used = [], 0
-        while self.queue and len(batch) < len(free) and used + len(self.queue[0].prompt_ids) <= self.P:
-            req = self.queue.popleft()
-            batch.append((free[len(batch)], req))
-            used += len(req.prompt_ids)
-        if not batch:
-            return
+        """Free slots take queued requests; every prefilling slot gets its next prompt chunk
+        (P packed tokens per step in all, so a long prompt takes several steps while the
+        other slots keep decoding)."""
+        for slot in range(self.S):
+            if self.queue and slot not in self.running:
+                req = self.queue.popleft()
+                req.status, req.slot, req.started_at = "prefilling", slot, time.perf_counter()
+                self.running[slot] = req
         S = self.S
-        lens, new = np.zeros(S, np.int32), np.zeros(S, bool)
+        starts, lens = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        chunk, final = np.zeros(S, bool), np.zeros(S, bool)
         max_new, seeds = np.ones(S, np.int32), np.zeros(S, np.uint32)
         stop_ids = np.full((S, self.M), -1, np.int32)
         tokens = np.zeros(self.P, np.int32)
-        for slot, req in sorted(batch, key=lambda b: b[0]):  # slot-major packing
-            sp = req.sampling
-            lens[slot], new[slot], max_new[slot], seeds[slot] = len(req.prompt_ids), True, sp.max_new_tokens, sp.seed
-            stops = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
-            if not sp.ignore_eos:
-                stops += [t for t in self.target.eos_token_ids if t not in stops]
-            if len(stops) > self.M:
-                raise ValueError(f"request {req.id} has {len(stops)} stop token ids; the engine holds {self.M}")
-            stop_ids[slot, : len(stops)] = stops
-            self.slot_params[slot] = sp
-        offs = 0
-        for slot in range(S):
-            if new[slot]:
-                req = next(r for s, r in batch if s == slot)
-                tokens[offs: offs + lens[slot]] = req.prompt_ids
-                offs += lens[slot]
-        self.sa = self._sampling_arrays()
+        used = 0
+        for slot in range(S):  # slot-major packing
+            req = self.running.get(slot)
+            if req is None or req.status != "prefilling" or used == self.P:
+                continue
+            n = min(len(req.prompt_ids) - req.prefilled, self.P - used)
+            starts[slot], lens[slot], chunk[slot] = req.prefilled, n, True
+            tokens[used: used + n] = req.prompt_ids[req.prefilled: req.prefilled + n]
+            used += n
+            req.prefilled += n
+            if req.prefilled == len(req.prompt_ids):
+                final[slot] = True
+                sp = req.sampling
+                max_new[slot], seeds[slot] = sp.max_new_tokens, sp.seed
+                stops = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
+                if not sp.ignore_eos:
+                    stops += [t for t in self.target.eos_token_ids if t not in stops]
+                if len(stops) > self.M:
+                    raise ValueError(f"request {req.id} has {len(stops)} stop token ids; the engine holds {self.M}")
+                stop_ids[slot, : len(stops)] = stops
+                self.slot_params[slot] = sp
+        if not chunk.any():
+            return
+        if final.any():
+            self.sa = self._sampling_arrays()
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
         self.st = admit(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
-                        jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(new), jnp.asarray(max_new), keys,
-                        jnp.asarray(stop_ids), self.sa, q_max=self.P)
-        now = time.perf_counter()
-        for slot, req in batch:
-            req.status, req.slot, req.started_at = "running", slot, now
-            self.running[slot] = req
+                        jnp.asarray(tokens), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(chunk),
+                        jnp.asarray(final), jnp.asarray(max_new), keys, jnp.asarray(stop_ids), self.sa, q_max=self.P)
+        for slot in np.flatnonzero(final):
+            self.running[int(slot)].status = "running"
         self._collect()  # first tokens (and requests that stop on them)
 
     def _collect(self):
         out, n_out, done = np.asarray(self.st.out), np.asarray(self.st.n_out), np.asarray(self.st.done)
         for slot, req in list(self.running.items()):
+            if req.status != "running":
+                continue
             new = out[slot, len(req.tokens): n_out[slot]].tolist()
             finished = bool(done[slot])
             reason = "stop" if finished and n_out[slot] < req.sampling.max_new_tokens else "length"

@@ -4,6 +4,7 @@
   mixed with sampled requests (top-k / top-p / min-p): every greedy output equals
   autoregressive greedy decoding of its prompt, the streamed pieces add up to the output,
   and a second wave with another mix of sampling parameters compiles nothing.
+- Prompts longer than the admission buffer are prefilled in chunks over several steps.
 - A cancelled request frees its slot for the next queued one, keeps what it had streamed
   (a prefix of its greedy output), and the others are unaffected.
 Runtime: ~40 s on a shared 2-core CPU (admission + decode-loop compiles).
@@ -46,7 +47,9 @@ def sampled(i, m=MAX_NEW):
 
 def engine(tiny, **kw):
     kw.setdefault("policy", "dspark")
-    return Engine(tiny["target"], tiny["drafter"], slots=4, max_len=128, max_new_tokens=MAX_NEW, prefill_tokens=64,
+    # 16 prompt tokens per step: prompts of up to 19 tokens arrive, so some are prefilled in
+    # two chunks, and several prefilling slots share one step's admission buffer.
+    return Engine(tiny["target"], tiny["drafter"], slots=4, max_len=128, max_new_tokens=MAX_NEW, prefill_tokens=16,
                   num_draft=3, cycles_per_step=2, step_rates={4: 1.0, 8: 0.9, 12: 0.8, 16: 0.7}, **kw)
 
 
@@ -68,6 +71,7 @@ def test_arrivals_over_time_match_autoregressive(tiny):
         eng.run()
         return reqs
 
+    assert max(map(len, tiny["prompts"])) > 16  # some prompts need two admission chunks
     reqs = wave(0)
     assert [r.tokens for r in reqs] == tiny["ar"]
     assert all(streamed[r.id] == r.tokens for r in eng.finished)
@@ -86,12 +90,13 @@ def test_cancel_frees_the_slot(tiny):
     eng = engine(tiny, policy="fixed")
     p = tiny["prompts"]
     reqs = [eng.submit(p[i], greedy()) for i in range(5)]  # 4 slots: the 5th waits
-    eng.step()
+    while not reqs[1].tokens:  # prefilled (16 prompt tokens per step) and decoding
+        eng.step()
     assert reqs[4].status == "queued" and len(eng.running) == 4
     eng.cancel(reqs[1])
     slot = reqs[1].slot
     eng.step()
-    assert reqs[4].status == "running" and reqs[4].slot == slot
+    assert reqs[4].status in ("prefilling", "running") and reqs[4].slot == slot
     eng.run()
     ar = ds.generate(tiny["target"], p[:5], sampling=greedy()).token_ids
     assert reqs[1].finish_reason == "cancelled" and reqs[1].tokens == ar[1][: len(reqs[1].tokens)]
