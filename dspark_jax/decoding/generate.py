@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding import compile_stats
-from dspark_jax.decoding.engine import GenState, LoopSettings, decode_loop, prefill, with_sched_state
+from dspark_jax.decoding.engine import (
+    GenState,
+    LoopSettings,
+    SchedArrays,
+    decode_loop,
+    prefill,
+    with_sched_state,
+)
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.models.target import Target
@@ -279,19 +286,20 @@ def generate(
         stats["drafted_steps"] = int(st.drafted_steps) / steps  # < 1 when async skipped drafting
         if rates_table is not None:
             stats["step_rates"] = rates_table.to_dict()
-        if settings.policy not in ("fixed",):
+        if settings.policy != "fixed":
             stats["scheduler"] = settings.policy if isinstance(settings.policy, str) else "custom"
     return GenerationOutput(texts, token_ids, stats)
 
 
 def _loop_settings(target, drafter, policy, scheduler, K, S, T, threshold, step_rates, reprofile):
     """(LoopSettings, SchedArrays or None, StepRates or None) of a generate() call."""
-    from dspark_jax.decoding.engine import SchedArrays
-
     if drafter is None or policy == "fixed":
         return LoopSettings(num_draft=K), None, None
     name = scheduler if policy == "dspark" else "threshold"
     if isinstance(step_rates, StepRates):
+        if step_rates.slots != S:
+            raise ValueError(f"step_rates were measured for {step_rates.slots} slots, but this call runs {S} "
+                             "(the batch rounded up to a power of two); profile the table for that slot count")
         table = step_rates
     elif step_rates is not None:
         table = StepRates.from_mapping(step_rates, slots=S)
