@@ -21,10 +21,10 @@ then depends on a_{r,j+1}, i.e. on x_{r,j} itself (paper Appendix A).
 Static buckets: SPS is a table over packed-token buckets N_0 < … < N_{U−1}; a step of B
 tokens runs in the smallest bucket N ≥ B and costs that bucket's rate. "sync" therefore
 walks the greedy order bucket by bucket (`_sync_count`), and in the decode loop every
-confidence policy fills the free
-slots of its bucket with the next-best candidates: this stays causal because the bucket
-depends only on candidates ranked above any candidate it admits extra (for the threshold
-rule: on candidates above the threshold, which rank above every candidate below it).
+confidence policy fills the free slots of its bucket with the next-best candidates: this
+stays causal because the bucket depends only on candidates ranked above any candidate it
+admits extra (for the threshold rule: on candidates above the threshold, which rank above
+every candidate below it).
 
 All functions are pure and jit-friendly; Python-level knobs (policy, buckets, k) are static.
 """
