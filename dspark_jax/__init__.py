@@ -8,7 +8,9 @@
 from dspark_jax.config import ModelConfig
 from dspark_jax.decoding.drafting import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import GenerationOutput, generate
+from dspark_jax.decoding.profiling import StepRates, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.decoding.scheduler import schedule
 from dspark_jax.decoding.verification import verify
 from dspark_jax.io.drafter_io import load_drafter, save_drafter
 from dspark_jax.io.loading import load_target
@@ -22,12 +24,15 @@ __all__ = [
     "OracleDrafter",
     "ModelConfig",
     "SamplingParams",
+    "StepRates",
     "Target",
     "generate",
     "load_drafter",
     "load_target",
     "logits",
+    "profile_step_rates",
     "save_drafter",
+    "schedule",
     "verify",
 ]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
 """The on-device decoding loop: prefill, then speculative (or autoregressive) cycles.
 
 Letter legend: S request slots, K verified drafts per cycle (max), N packed tokens
-(= S·(K+1)), T cache length, O output buffer, V vocab, F tapped target features.
+(≤ S·(K+1)), U packed-token buckets, T cache length, O output buffer, V vocab, F tapped
+target features.
 
 One cycle (docs/method.md §5, docs/architecture.md): draft → choose ℓ_r ≤ K per slot → pack [anchor, d_1..d_ℓ] of
 every slot into one static bucket → one packed target step (logits + features) →
@@ -9,6 +10,14 @@ verify → commit (rejected cache positions are overwritten later, never read) �
 features of anchor + accepted drafts to the drafter's context cache → the last emitted
 token is the next anchor. Autoregressive decoding is the same cycle with K = 0 and no
 drafter: verification with zero drafts is exactly sampling from the target.
+
+Policies (`LoopSettings.policy`): "fixed" verifies min(K, cap) drafts per slot in one
+bucket of S·(K+1) tokens. The confidence schedulers ("sync", "async", "threshold";
+`scheduler.py`) choose ℓ_r from the drafter's calibrated confidences and a step-rate table
+(an array argument), and `lax.switch` runs the packed target step compiled for the chosen
+bucket, so a smaller budget makes a cheaper step. "async" chooses the bucket before
+drafting, from earlier confidences calibrated online against observed acceptances, and
+skips the drafter when verifying anchors only pays.
 
 A drafter plugs in through three pure methods (called inside jit; the drafter object is a
 static argument, its parameters a traced one):
@@ -30,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspark_jax.decoding.sampling import SamplingArrays, sample_or_argmax, transform_logits
+from dspark_jax.decoding.scheduler import async_budget, bucket_index, schedule_lengths
 from dspark_jax.decoding.verification import verify
 from dspark_jax.models.transformer import KVCache, packed_layout
 
@@ -39,6 +49,30 @@ class LoopSettings:
     """Static shape settings of one compiled decode loop."""
 
     num_draft: int  # K: drafts verified per request per cycle (0 = autoregressive)
+    # "fixed" (verify min(K, cap) drafts, one bucket of S·(K+1) tokens), or a confidence
+    # scheduler: "sync", "async", "threshold", or a callable
+    # (conf [S, K], active [S], caps [S], rates [U], buckets) -> lengths [S].
+    policy: Any = "fixed"
+    buckets: tuple[int, ...] = ()  # packed-token buckets of the scheduled policies, ascending
+    # async: the budget's confidences are calibrated online per slot (see `_cycle`): observed
+    # acceptances, decayed by `calib_decay` per cycle, against the drafter's own confidences
+    # worth `calib_prior` observations.
+    calib_decay: float = 0.99
+    calib_prior: float = 0.5
+
+
+@struct.dataclass
+class SchedArrays:
+    """Traced inputs of the scheduled policies (changing them compiles nothing)."""
+
+    rates: jax.Array  # [U] steps/s of draft + verify at each bucket
+    skip_rate: jax.Array  # [] steps/s of a step that does not draft (0 = never skip)
+    threshold: jax.Array  # [] survival threshold of policy "threshold"
+
+    @classmethod
+    def make(cls, rates, skip_rate=0.0, threshold=0.0) -> SchedArrays:
+        return cls(jnp.asarray(rates, jnp.float32), jnp.asarray(skip_rate, jnp.float32),
+                   jnp.asarray(threshold, jnp.float32))
 
 
 @struct.dataclass
@@ -57,6 +91,28 @@ class GenState:
     tau_sum: jax.Array  # [S] Σ (accepted + 1) over cycles
     reached: jax.Array  # [S, K] cycles where draft j was verified with its prefix accepted
     accepted_at: jax.Array  # [S, K] cycles where draft j was accepted
+    # Scheduler state and statistics (`with_sched_state` fills them before the loop).
+    verified: Any = None  # [S] Σ verified drafts ℓ over cycles
+    prev_conf: Any = None  # [S, K] calibrated confidences of the slot's last draft (async budget)
+    acc_w: Any = None  # [S, K] decayed count of accepted drafts per position (async calibration)
+    reach_w: Any = None  # [S, K] decayed count of verified drafts whose prefix was accepted
+    steps: Any = None  # [] cycles run by the loop (with any active slot)
+    drafted_steps: Any = None  # [] of which drafted
+    budget_sum: Any = None  # [] Σ packed tokens used (B = R + Σℓ)
+    bucket_sum: Any = None  # [] Σ packed tokens paid for (the bucket of each step)
+
+
+def with_sched_state(st: GenState, num_draft: int) -> GenState:
+    """Fresh scheduler state: confidences start at 1 (optimistic), so the first cycle drafts."""
+    S = st.seq_len.shape[0]
+    # Distinct buffers: the loop donates its state, and one buffer cannot be donated twice.
+    def z():
+        return jnp.zeros((), jnp.int32)
+
+    K = num_draft
+    return st.replace(verified=jnp.zeros((S,), jnp.int32), prev_conf=jnp.ones((S, K), jnp.float32),
+                      acc_w=jnp.zeros((S, K), jnp.float32), reach_w=jnp.zeros((S, K), jnp.float32),
+                      steps=z(), drafted_steps=z(), budget_sum=z(), bucket_sum=z())
 
 
 def _fold(keys, data):
@@ -134,7 +190,37 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
     )
 
 
-def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: LoopSettings):
+def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok, d_logits,
+                  nv, active, *, num_tokens: int, q_max: int):
+    """One packed target step at a static bucket of `num_tokens` tokens, then verification and
+    the drafter's context append. → (accepted [S], emitted [S, K+1], cache, dcache).
+
+    Every bucket variant has this signature, so `lax.switch` can pick one per cycle; only
+    the chosen branch runs, so the step costs what its bucket costs. `q_max` = 1 is the
+    variant without drafts (async skipped drafting): verification of zero drafts is
+    exactly sampling from the target."""
+    S, K = d_tok.shape
+    counts = jnp.where(active, 1 + nv, 0)
+    lay = packed_layout(seq_len_S, counts, num_tokens, q_max)
+    grid_tok = jnp.concatenate([anchor_S[:, None], d_tok], 1)[:, :q_max]  # [S, Q]
+    tokens_N = grid_tok[lay.slot_N, jnp.clip(lay.j_N, 0, q_max - 1)]
+    feature_layers = drafter.feature_layers if drafter is not None else ()
+    logits_N, feats, cache = target(cache, tokens_N, seq_len_S, counts, q_max=q_max,
+                                    feature_layers=feature_layers)
+    # Back to the [S, Q] grid (empty cells read a clamped row; they are never used).
+    tgt_logits = logits_N[jnp.minimum(lay.grid_idx_SQ, num_tokens - 1)]
+    accepted, emitted = verify(kv, d_tok[:, : q_max - 1], d_logits[:, : q_max - 1], tgt_logits,
+                               jnp.minimum(nv, q_max - 1), sa)
+    emitted = jnp.pad(emitted, ((0, 0), (0, K + 1 - q_max)), constant_values=-1)
+    accepted = jnp.where(active, accepted, 0)
+    if drafter is not None:
+        keep = lay.valid_N & (lay.j_N <= accepted[lay.slot_N])
+        dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, keep)
+    return accepted, emitted, cache, dcache
+
+
+def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: LoopSettings,
+           sched: SchedArrays | None):
     S = st.seq_len.shape[0]
     K = settings.num_draft
     rows = jnp.arange(S)
@@ -142,30 +228,63 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
     kc = _fold(st.keys, st.seq_len)  # seq_len is unique per cycle of a request
     kd = _fold(kc, jnp.ones_like(st.seq_len))
     kv = _fold(kc, jnp.full_like(st.seq_len, 2))
-    if K > 0:
-        d_tok, d_logits, _ = drafter.draft(dparams, st.dcache, target, st.anchor, st.seq_len, kd, sa)
-        d_tok, d_logits = d_tok[:, :K], d_logits[:, :K]
-    else:
-        d_tok = jnp.zeros((S, 0), jnp.int32)
-        d_logits = jnp.zeros((S, 0, target.cfg.vocab_size), jnp.float32)
     remaining = st.max_new - st.n_out
-    nv = jnp.where(active, jnp.clip(jnp.minimum(K, remaining - 1), 0, K), 0)
-    counts = jnp.where(active, 1 + nv, 0)
-    N = S * (K + 1)
-    lay = packed_layout(st.seq_len, counts, N, K + 1)
-    grid_tok = jnp.concatenate([st.anchor[:, None], d_tok], 1)  # [S, K+1]
-    tokens_N = grid_tok[lay.slot_N, jnp.clip(lay.j_N, 0, K)]
-    feature_layers = drafter.feature_layers if drafter is not None else ()
-    logits_N, feats, cache = target(st.cache, tokens_N, st.seq_len, counts, q_max=K + 1,
-                                    feature_layers=feature_layers)
-    # Back to the [S, K+1] grid (empty cells read a clamped row; they are never used).
-    tgt_logits = logits_N[jnp.minimum(lay.grid_idx_SQ, N - 1)]
-    accepted, emitted = verify(kv, d_tok, d_logits, tgt_logits, nv, sa)
-    accepted = jnp.where(active, accepted, 0)
-    dcache = st.dcache
-    if drafter is not None:
-        keep = lay.valid_N & (lay.j_N <= accepted[lay.slot_N])
-        dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, keep)
+    caps = jnp.where(active, jnp.clip(jnp.minimum(K, remaining - 1), 0, K), 0)
+    V = target.cfg.vocab_size
+
+    def draft():
+        tok, logits, conf = drafter.draft(dparams, st.dcache, target, st.anchor, st.seq_len, kd, sa)
+        return tok[:, :K], logits[:, :K].astype(jnp.float32), conf[:, :K].astype(jnp.float32)
+
+    def no_draft():
+        return (jnp.zeros((S, K), jnp.int32), jnp.zeros((S, K, V), jnp.float32),
+                jnp.zeros((S, K), jnp.float32))
+
+    policy = settings.policy
+    drafted = jnp.bool_(K > 0)
+    if K == 0 or policy == "fixed":
+        d_tok, d_logits, conf = draft() if K > 0 else no_draft()
+        nv = caps
+        sizes = (S * (K + 1),)
+        branches = [functools.partial(verify_bucket, num_tokens=S * (K + 1), q_max=K + 1)]
+        idx = jnp.int32(0)
+    else:
+        buckets = settings.buckets
+        if policy == "async":
+            # The budget comes from earlier steps only (never this step's drafts), so it is
+            # known before drafting and a budget of 0 skips the drafter. Its confidences are
+            # calibrated online: each position's observed acceptance (a decayed count) against
+            # the drafter's last confidences as a prior — an uncalibrated drafter that claims
+            # much and delivers nothing is switched off after a failed try, and re-tried as
+            # the evidence fades.
+            pred = (st.acc_w + settings.calib_prior * st.prev_conf) / (st.reach_w + settings.calib_prior)
+            u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate)
+            drafted = u >= 0
+            d_tok, d_logits, conf = jax.lax.cond(drafted, draft, no_draft)
+        else:
+            d_tok, d_logits, conf = draft()
+            u = jnp.int32(0)
+        if callable(policy):  # a caller's scheduler (e.g. a test's negative control)
+            nv = jnp.clip(policy(conf, active, caps, sched.rates, buckets), 0, caps).astype(jnp.int32)
+            u = bucket_index(jnp.sum(active) + jnp.sum(nv), buckets)
+        else:
+            nv, u = schedule_lengths(conf, policy, sched.rates, buckets, active_R=active, caps_R=caps, k=K,
+                                     threshold=sched.threshold, bucket_u=u, fill=True)
+        nv = jnp.where(drafted, nv, 0)
+        # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.
+        sizes = (S, *buckets)
+        branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1)] + [
+            functools.partial(verify_bucket, num_tokens=n, q_max=K + 1) for n in buckets]
+        idx = jnp.where(drafted, 1 + jnp.clip(u, 0, len(buckets) - 1), 0).astype(jnp.int32)
+
+    def run(i):
+        return lambda ops: branches[i](target, drafter, dparams, *ops)
+
+    ops = (st.cache, st.dcache, st.seq_len, st.anchor, sa, kv, d_tok, d_logits, nv, active)
+    if len(branches) == 1:
+        accepted, emitted, cache, dcache = branches[0](target, drafter, dparams, *ops)
+    else:
+        accepted, emitted, cache, dcache = jax.lax.switch(idx, [run(i) for i in range(len(branches))], ops)
     n_emit = accepted + 1
     stop_at, hit = _first_stop(emitted, n_emit, st.stop_ids)
     n_emit = jnp.minimum(jnp.where(hit, stop_at, n_emit), remaining)
@@ -176,6 +295,10 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
     n_out = st.n_out + n_emit
     j = jnp.arange(K)[None]
     act = active[:, None]
+    any_active = jnp.any(active)
+    reached_now = act & (j < nv[:, None]) & (j <= accepted[:, None])
+    accepted_now = act & (j < accepted[:, None])
+    lam = jnp.where(act, settings.calib_decay, 1.0)
     return st.replace(
         cache=cache,
         dcache=dcache,
@@ -186,8 +309,16 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
         done=st.done | (active & (hit | (n_out >= st.max_new))),
         cycles=st.cycles + active,
         tau_sum=st.tau_sum + jnp.where(active, accepted + 1, 0),
-        reached=st.reached + (act & (j < nv[:, None]) & (j <= accepted[:, None])),
-        accepted_at=st.accepted_at + (act & (j < accepted[:, None])),
+        reached=st.reached + reached_now,
+        accepted_at=st.accepted_at + accepted_now,
+        verified=st.verified + jnp.where(active, nv, 0),
+        prev_conf=jnp.where(act & drafted, conf, st.prev_conf),
+        acc_w=lam * st.acc_w + accepted_now,
+        reach_w=lam * st.reach_w + reached_now,
+        steps=st.steps + any_active,
+        drafted_steps=st.drafted_steps + (any_active & drafted),
+        budget_sum=st.budget_sum + jnp.sum(jnp.where(active, 1 + nv, 0)),
+        bucket_sum=st.bucket_sum + jnp.where(any_active, jnp.asarray(sizes, jnp.int32)[idx], 0),
     )
 
 
@@ -195,8 +326,11 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
     jax.jit, static_argnames=("tgraph", "drafter", "settings"), donate_argnames=("st",)
 )
 def decode_loop(tgraph, tstate, drafter, dparams, st: GenState, sa: SamplingArrays, max_cycles,
-                *, settings: LoopSettings):
-    """Runs cycles on device until every request is done or `max_cycles` cycles have run."""
+                sched: SchedArrays | None = None, *, settings: LoopSettings):
+    """Runs cycles on device until every request is done or `max_cycles` cycles have run.
+
+    `sched` (scheduled policies) is an argument, not a static: a re-profiled step-rate
+    table or another threshold reuses the compiled loop."""
     target = nnx.merge(tgraph, tstate)
 
     def cond(c):
@@ -205,7 +339,7 @@ def decode_loop(tgraph, tstate, drafter, dparams, st: GenState, sa: SamplingArra
 
     def body(c):
         i, s = c
-        return i + 1, _cycle(target, drafter, dparams, s, sa, settings)
+        return i + 1, _cycle(target, drafter, dparams, s, sa, settings, sched)
 
     _, st = jax.lax.while_loop(cond, body, (jnp.int32(0), st))
     return st

@@ -18,7 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding import compile_stats
-from dspark_jax.decoding.engine import GenState, LoopSettings, decode_loop, prefill
+from dspark_jax.decoding.engine import (
+    GenState,
+    LoopSettings,
+    SchedArrays,
+    decode_loop,
+    prefill,
+    with_sched_state,
+)
+from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
@@ -26,6 +34,7 @@ from dspark_jax.models.target import Target
 from dspark_jax.models.transformer import KVCache
 
 POLICIES = (None, "ar", "fixed", "dspark", "threshold")
+SCHEDULERS = ("async", "sync")
 
 
 @dataclasses.dataclass
@@ -90,12 +99,21 @@ def generate(
     num_draft: int | None = None,
     chunk_cycles: int = 16,
     prefill_chunk: int = 512,
+    scheduler="async",
+    threshold: float = 0.5,
+    step_rates=None,
+    reprofile: bool = False,
 ) -> GenerationOutput:
     """Generates continuations of a batch of prompts; lossless with or without a drafter.
 
     policy: None / "ar" (autoregressive; the drafter is ignored), "fixed" (verify
-    `num_draft` ≤ γ drafts per cycle; default γ). "dspark" and "threshold" need the
-    confidence scheduler, which is not implemented yet.
+    `num_draft` ≤ γ drafts per cycle; default γ), "dspark" (the confidence scheduler
+    `scheduler`: "async" (default) or "sync"; a callable
+    (conf [S, K], active [S], caps [S], rates [U], buckets) -> lengths [S] is run in place
+    of "sync"), "threshold" (verify drafts whose survival is ≥ `threshold`).
+    step_rates: the step-rate table of "dspark" — a `StepRates`, or a mapping
+    {packed tokens: steps/s} whose keys become the buckets; None profiles it (cached on
+    disk; `reprofile=True` measures again).
 
     prefill_chunk: prompt tokens per prefill step (a static size). Prefill memory grows with
     chunk × cache length rather than prompt × cache length; 512 keeps a SmolLM2 prompt at its
@@ -103,13 +121,12 @@ def generate(
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if policy in ("dspark", "threshold"):
-        raise NotImplementedError(
-            f"policy {policy!r} needs the confidence scheduler, which is not implemented yet; "
-            "use policy='fixed' with num_draft=k"
-        )
-    if policy == "fixed" and drafter is None:
-        raise ValueError("policy='fixed' needs a drafter")
+    if policy in ("fixed", "dspark", "threshold") and drafter is None:
+        raise ValueError(f"policy={policy!r} needs a drafter")
+    if policy == "dspark" and not (scheduler in SCHEDULERS or callable(scheduler)):
+        raise ValueError(f"scheduler must be one of {SCHEDULERS} (or a callable), got {scheduler!r}")
+    if policy == "threshold" and not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be a survival probability in [0, 1], got {threshold}")
     if policy is None and drafter is not None:
         policy = "fixed"
     if policy in (None, "ar"):
@@ -195,20 +212,22 @@ def generate(
         reached=jnp.zeros((S, K), jnp.int32),
         accepted_at=jnp.zeros((S, K), jnp.int32),
     )
+    st = with_sched_state(st, K)
+    settings, sched, rates_table = _loop_settings(target, drafter, policy, scheduler, K, S, T, threshold,
+                                                  step_rates, reprofile)
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
     st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens),
                  jnp.asarray(lens), sa, q_max=q_prefill, chunk=chunk)
     jax.block_until_ready(st.n_out)
     t1 = time.perf_counter()
-    settings = LoopSettings(num_draft=K)
     use_host_stops = any(sp.stop for sp in params)
     cut: dict[int, tuple[list[int], str]] = {}
     while True:
         # Without stop strings one call runs to the end; with them, chunks let the host stop early.
         max_cycles = chunk_cycles if use_host_stops else max_new + 1
         st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,
-                         jnp.int32(max_cycles), settings=settings)
+                         jnp.int32(max_cycles), sched, settings=settings)
         done = np.array(st.done)  # a writable copy: np.asarray of a jax.Array is read-only
         if use_host_stops:
             out, n_out = np.asarray(st.out), np.asarray(st.n_out)
@@ -260,4 +279,40 @@ def generate(
         acc = np.asarray(st.accepted_at)[:B].sum(0)
         stats["tau"] = float(np.asarray(st.tau_sum)[:B].sum() / max(cycles.sum(), 1))
         stats["acceptance_per_position"] = (acc / np.maximum(reached, 1)).tolist()
+        verified = np.asarray(st.verified)[:B]
+        steps = max(int(st.steps), 1)
+        stats["verified_per_request"] = verified.tolist()  # Σ ℓ_r: drafts sent to the target
+        stats["mean_verified"] = (verified / np.maximum(cycles, 1)).tolist()  # per cycle
+        stats["budget_per_step"] = int(st.budget_sum) / steps  # packed tokens used, B = R + Σℓ
+        stats["bucket_per_step"] = int(st.bucket_sum) / steps  # packed tokens paid for
+        stats["drafted_steps"] = int(st.drafted_steps) / steps  # < 1 when async skipped drafting
+        if rates_table is not None:
+            stats["step_rates"] = rates_table.to_dict()
+        if settings.policy != "fixed":
+            stats["scheduler"] = settings.policy if isinstance(settings.policy, str) else "custom"
     return GenerationOutput(texts, token_ids, stats)
+
+
+def _loop_settings(target, drafter, policy, scheduler, K, S, T, threshold, step_rates, reprofile):
+    """(LoopSettings, SchedArrays or None, StepRates or None) of a generate() call."""
+    if drafter is None or policy == "fixed":
+        return LoopSettings(num_draft=K), None, None
+    name = scheduler if policy == "dspark" else "threshold"
+    if isinstance(step_rates, StepRates):
+        if step_rates.slots != S:
+            raise ValueError(f"step_rates were measured for {step_rates.slots} slots, but this call runs {S} "
+                             "(the batch rounded up to a power of two); profile the table for that slot count")
+        table = step_rates
+    elif step_rates is not None:
+        table = StepRates.from_mapping(step_rates, slots=S)
+    elif name == "threshold":  # needs buckets, not rates
+        table = StepRates.from_mapping({n: 1.0 for n in default_buckets(S, K)}, slots=S)
+    else:
+        table = profile_step_rates(target, drafter, slots=S, num_draft=K, cache_len=T, reprofile=reprofile)
+    buckets = tuple(n for n in table.buckets if n <= S * (K + 1))
+    if not buckets or buckets[-1] < S:
+        raise ValueError(f"the step-rate table's buckets {table.buckets} need one of at least {S} packed "
+                         f"tokens (the anchors of {S} slots) and at most {S * (K + 1)}")
+    rates = table.rates[: len(buckets)]
+    settings = LoopSettings(num_draft=K, policy=name, buckets=buckets)
+    return settings, SchedArrays.make(rates, table.skip_rate, threshold), table

@@ -1,0 +1,199 @@
+"""Step-rate tables: how many decode steps per second each static bucket runs.
+
+Letter legend: S request slots, K drafts per slot (max), N packed tokens, U buckets,
+T cache length, V vocab.
+
+Cost model: step time = draft(S) + verify(S, N) — the drafter runs once per slot whatever
+the budget, the packed target step costs by its bucket. A step that skips drafting (async,
+budget 0) costs verify(S, S) with one query per slot. Each piece is the jitted function
+the decode loop runs (`engine.verify_bucket`, `drafter.draft`), timed after a warm-up,
+median of `repeats`, then made monotone (a bigger bucket is never faster: timing noise must
+not make the scheduler prefer it). Tables are cached as JSON under
+~/.cache/dspark_jax/sps/ (or $DSPARK_SPS_CACHE), keyed by device kind, model, config hash,
+dtype, drafter, slots, K, cache length and bucket list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.decoding.engine import verify_bucket
+from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.models.transformer import KVCache
+
+DEFAULT_CACHE_DIR = os.path.expanduser("~/.cache/dspark_jax/sps")
+
+
+def default_buckets(slots: int, num_draft: int, count: int = 4) -> tuple[int, ...]:
+    """`count` packed-token buckets from S (anchors only) to S·(K+1) (every draft), evenly
+    spaced in drafts; fewer when S·K is small."""
+    extra = sorted({-(-slots * num_draft * i // (count - 1)) for i in range(count)})
+    return tuple(slots + e for e in extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRates:
+    """A profiled (or given) step-rate table for one slot count S.
+
+    `rates[u]` = 1 / (draft_s + verify_s[u]) steps/s at bucket `buckets[u]` packed tokens;
+    `skip_rate` = 1 / ar_s for a step without drafting (0 = unknown: never skip)."""
+
+    slots: int
+    buckets: tuple[int, ...]
+    draft_s: float
+    verify_s: tuple[float, ...]
+    ar_s: float = float("inf")
+    key: dict | None = None
+
+    @classmethod
+    def from_mapping(cls, sps: Mapping[int, float], slots: int) -> StepRates:
+        items = sorted((int(n), float(r)) for n, r in sps.items())
+        if not items or any(r <= 0 for _, r in items):
+            raise ValueError(f"step rates must be a non-empty mapping {{packed tokens: steps/s > 0}}, got {sps}")
+        return cls(slots, tuple(n for n, _ in items), 0.0, tuple(1.0 / r for _, r in items))
+
+    @property
+    def rates(self) -> np.ndarray:
+        return 1.0 / (self.draft_s + np.asarray(self.verify_s, np.float64))
+
+    @property
+    def skip_rate(self) -> float:
+        return 0.0 if not np.isfinite(self.ar_s) else 1.0 / self.ar_s
+
+    def to_dict(self) -> dict:
+        return {"slots": self.slots, "buckets": list(self.buckets), "draft_s": self.draft_s,
+                "verify_s": list(self.verify_s), "ar_s": self.ar_s if np.isfinite(self.ar_s) else None,
+                "key": self.key}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepRates:
+        return cls(int(d["slots"]), tuple(d["buckets"]), float(d["draft_s"]), tuple(d["verify_s"]),
+                   float("inf") if d.get("ar_s") is None else float(d["ar_s"]), d.get("key"))
+
+
+def _model_key(target, drafter, slots, num_draft, cache_len, buckets) -> dict:
+    dcfg = getattr(drafter, "cfg", None)
+    return {
+        "method": "draft(S) + verify(S, N), round-robin median, v1",  # bump to invalidate old tables
+        "device": jax.devices()[0].device_kind,
+        "model": target.name,
+        "config": hashlib.sha1(repr(target.cfg).encode()).hexdigest()[:16],
+        "dtype": jnp.dtype(target.cfg.jnp_dtype).name,
+        "drafter": type(drafter).__name__ + ":" + hashlib.sha1(repr(dcfg).encode()).hexdigest()[:16],
+        "slots": slots,
+        "num_draft": num_draft,
+        "cache_len": cache_len,
+        "buckets": list(buckets),
+    }
+
+
+def _cache_path(key: dict, cache_dir: str | None) -> str:
+    d = cache_dir or os.environ.get("DSPARK_SPS_CACHE", DEFAULT_CACHE_DIR)
+    h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(d, f"{h}.json")
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter"))
+def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_S, sa):
+    target = nnx.merge(tgraph, tstate)
+    return drafter.draft(dparams, dcache, target, anchor_S, pos_S, keys_S, sa)
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max"))
+def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok,
+                 d_logits, nv, active, *, num_tokens, q_max):
+    target = nnx.merge(tgraph, tstate)
+    return verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok, d_logits,
+                         nv, active, num_tokens=num_tokens, q_max=q_max)
+
+
+def _median_times(fns, repeats: int, warmup: int = 2) -> list[float]:
+    """Median wall time of each fn() after warm-up, measured round-robin (one call of each
+    per round) so that a burst of load from other processes hits every entry alike rather
+    than inflating one bucket."""
+    for fn in fns:
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def _spread(total: int, slots: int, num_draft: int) -> np.ndarray:
+    """Drafts per slot for `total` drafts over `slots` slots, as even as possible."""
+    base, rem = divmod(total, slots)
+    return np.minimum(base + (np.arange(slots) < rem), num_draft).astype(np.int32)
+
+
+def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
+                       buckets: Sequence[int], repeats: int = 7) -> StepRates:
+    """Times draft(S), verify(S, N) for every bucket N, and the no-draft step (uncached)."""
+    S, K, T = slots, num_draft, cache_len
+    V = target.cfg.vocab_size
+    dparams = drafter.params
+    cache = KVCache.zeros(target.cfg, S, T)
+    dcache = drafter.init_cache(dparams, S, T)
+    sa = SamplingArrays.from_params([SamplingParams(temperature=1.0)] * S)
+    keys = jax.vmap(jax.random.key)(jnp.arange(S, dtype=jnp.uint32))
+    # Anchors mid-cache: the masks are dense over T anyway, so the position only has to be valid.
+    pos = jnp.full((S,), T // 2, jnp.int32)
+    anchor = jnp.zeros((S,), jnp.int32)
+    tg, ts = target.graphdef, target.state
+    d_tok = jnp.zeros((S, K), jnp.int32)
+    d_logits = jnp.zeros((S, K, V), jnp.float32)
+    active = jnp.ones((S,), bool)
+
+    def verify_fn(n_tokens, q_max):
+        nv = jnp.asarray(_spread(n_tokens - S, S, K))
+        return lambda: _verify_step(tg, ts, drafter, dparams, cache, dcache, pos, anchor, sa, keys, d_tok, d_logits,
+                                    nv, active, num_tokens=n_tokens, q_max=q_max)
+
+    fns = [lambda: _draft_step(tg, ts, drafter, dparams, dcache, anchor, pos, keys, sa), verify_fn(S, 1)]
+    fns += [verify_fn(n, K + 1) for n in buckets]
+    draft_s, ar_s, *verify_s = _median_times(fns, repeats)
+    # Monotone: a bigger bucket never runs faster (noise would otherwise attract the scheduler).
+    verify_s = np.maximum.accumulate(np.asarray(verify_s)).tolist()
+    return StepRates(S, tuple(int(b) for b in buckets), float(draft_s), tuple(verify_s), float(ar_s))
+
+
+def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
+                       buckets: Sequence[int] | None = None, repeats: int = 7, cache_dir: str | None = None,
+                       reprofile: bool = False) -> StepRates:
+    """The step-rate table of (target, drafter) at S = `slots`, from the disk cache when it
+    holds one for this device, model, dtype and bucket list, else measured and stored."""
+    buckets = tuple(buckets) if buckets is not None else default_buckets(slots, num_draft)
+    if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] > slots * (num_draft + 1):
+        raise ValueError(f"buckets must be strictly increasing within [1, {slots * (num_draft + 1)}] "
+                         f"(S·(K+1) for S={slots}, K={num_draft}), got {buckets}")
+    key = _model_key(target, drafter, slots, num_draft, cache_len, buckets)
+    path = _cache_path(key, cache_dir)
+    if not reprofile and os.path.exists(path):
+        with open(path) as f:
+            table = StepRates.from_dict(json.load(f))
+        if table.key == key:
+            return table
+    table = dataclasses.replace(measure_step_rates(target, drafter, slots=slots, num_draft=num_draft,
+                                                   cache_len=cache_len, buckets=buckets, repeats=repeats),
+                                key=key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + f".tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(table.to_dict(), f, indent=1)
+    os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    return table

@@ -1,0 +1,245 @@
+"""Confidence-scheduled verification lengths (lossless prefix schedulers).
+
+Letter legend: R requests (slots), G draft positions γ, M = R·G candidates, U buckets.
+
+Every scheduler maps calibrated per-position conditional confidences c′ [R, G] to
+verification lengths ℓ [R] (a prefix of each request's drafts). The survival
+a_{r,j} = Π_{i≤j} c′_{r,i} is the probability that draft j of request r is accepted; a step
+verifying B = R + Σℓ packed tokens yields τ = R + Σ_{admitted} a tokens in expectation and
+runs at SPS(B) steps/s, so tokens/s is Θ = τ · SPS(B).
+
+Why these rules are lossless: a rule may decide whether draft (r, j) is verified from
+anything except draft j's own realisation and later drafts of request r. Survival a_{r,j}
+depends on x_{r,<j} only (c′_j is produced before x_j is sampled), and a_{r,j+1} ≤ a_{r,j};
+so with ties broken by position first, every candidate ranked above (r, j) in the global
+order is either an earlier draft of request r or a draft of another (independent) request.
+Algorithm 1 decides (r, j) from candidates ranked at or above it (the early exit stops
+*before* looking further), and a top-K with K fixed beforehand does too. A search that looks
+at all prefixes and keeps the best one is NOT lossless: whether (r, j) is worth verifying
+then depends on a_{r,j+1}, i.e. on x_{r,j} itself (paper Appendix A).
+
+Static buckets: SPS is a table over packed-token buckets N_0 < … < N_{U−1}; a step of B
+tokens runs in the smallest bucket N ≥ B and costs that bucket's rate. "sync" therefore
+walks the greedy order bucket by bucket (`_sync_count`), and in the decode loop every
+confidence policy fills the free slots of its bucket with the next-best candidates: this
+stays causal because the bucket depends only on candidates ranked above any candidate it
+admits extra (for the threshold rule: on candidates above the threshold, which rank above
+every candidate below it).
+
+All functions are pure and jit-friendly; Python-level knobs (policy, buckets, k) are static.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+POLICIES = ("sync", "async", "threshold", "fixed")
+
+
+def survival(conf_RG: jax.Array) -> jax.Array:
+    """a_{r,j} = Π_{i≤j} c′_{r,i}, with c′ clipped to [0, 1] so a is non-increasing in j
+    (rounding x·c with c ≤ 1 never exceeds x, so the float product is monotone too)."""
+    return jnp.cumprod(jnp.clip(conf_RG.astype(jnp.float32), 0.0, 1.0), axis=1)
+
+
+def _rank_order(a_RG, avail_RG):
+    """Candidate order: survival descending, unavailable last; ties by position j, then r.
+
+    Flattening j-major and sorting stably puts (r, j) before (r, j+1) on ties (c′ = 1), so
+    the sorted order always admits prefixes. Returns (order [M] into the j-major flat
+    index, sorted survival [M], sorted availability [M])."""
+    a_M = jnp.where(avail_RG, a_RG, -1.0).T.reshape(-1)
+    order = jnp.argsort(-a_M, stable=True)
+    return order, a_M[order], (a_M >= 0)[order]
+
+
+def _lengths_from_count(order_M, n_admit, shape_RG):
+    """ℓ_r of admitting the first `n_admit` candidates in `order` (a prefix per request)."""
+    R, G = shape_RG
+    admitted_M = jnp.zeros(order_M.shape, bool).at[order_M].set(jnp.arange(order_M.shape[0]) < n_admit)
+    adm_RG = admitted_M.reshape(G, R).T
+    # Leading run, not the count: robust even if a caller's availability mask had holes.
+    return jnp.sum(jnp.cumprod(adm_RG.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def bucket_index(B, buckets: Sequence[int]):
+    """Index of the smallest bucket holding B tokens (len(buckets) when none does)."""
+    return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), B, side="left")
+
+
+def rate_at(B, rates_U, buckets: Sequence[int]):
+    """SPS(B): the rate of the bucket B runs in; 0 above the largest bucket (impossible)."""
+    u = bucket_index(B, buckets)
+    return jnp.where(u < len(buckets), rates_U[jnp.minimum(u, len(buckets) - 1)], 0.0)
+
+
+def _sync_count(a_sorted_M, avail_sorted_M, R, rates_U, buckets):
+    """Algorithm 1 over static buckets, vectorised. Returns the number of candidates admitted.
+
+    Start in the smallest bucket holding the R anchors, filled with the best candidates
+    (free: the step costs the same). Open the next bucket only if it raises Θ even
+    optimistically — every new slot as good as the best candidate left, the one at the
+    bucket edge — and stop at the first bucket that does not. Each decision reads the
+    candidates ranked above the edge plus the edge candidate itself, so it is causal. With
+    one bucket per token count this is exactly Algorithm 1 (each new "bucket" holds just
+    the edge candidate). Admitting one candidate at a time on a staircase instead would
+    stall at every edge: one candidate rarely pays for a whole bucket's extra cost."""
+    M = a_sorted_M.shape[0]
+    U = len(buckets)
+    n_avail = jnp.sum(avail_sorted_M)
+    n_U = jnp.clip(jnp.asarray(buckets, jnp.int32) - R, 0, n_avail)  # candidates bucket u holds
+    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted_M, a_sorted_M, 0.0))])
+    rates_U = jnp.asarray(rates_U, jnp.float32)
+    theta_fill = (R + csum[n_U]) * rates_U
+    prev_n = jnp.concatenate([jnp.zeros((1,), jnp.int32), n_U[:-1]])
+    a_edge = jnp.where(prev_n < n_avail, a_sorted_M[jnp.clip(prev_n, 0, M - 1)], 0.0)
+    theta_est = (R + csum[prev_n] + (n_U - prev_n) * a_edge) * rates_U
+    prev_theta = jnp.concatenate([jnp.full((1,), -jnp.inf), theta_fill[:-1]])
+    u0 = bucket_index(R, buckets)
+    u = jnp.arange(U)
+    opens = (u <= u0) | ((theta_est > prev_theta) & (n_U > prev_n))
+    u_star = jnp.clip(jnp.sum(jnp.cumprod(opens.astype(jnp.int32))) - 1, 0, U - 1)
+    return n_U[u_star]
+
+
+def _fill_count(n_admit, avail_sorted_M, R, buckets):
+    """Admits the next-best candidates up to the capacity of the bucket already chosen."""
+    u = jnp.minimum(bucket_index(R + n_admit, buckets), len(buckets) - 1)
+    cap = jnp.asarray(buckets, jnp.int32)[u] - R
+    return jnp.clip(cap, n_admit, jnp.sum(avail_sorted_M))
+
+
+def async_budget(prev_conf_RG, active_R, caps_R, rates_U, buckets: Sequence[int], skip_rate=None):
+    """The bucket for this step from *earlier* confidences (never this step's drafts).
+
+    Unconstrained search over the buckets: Θ_u = (R + top-(N_u − R) predicted survival) ·
+    SPS_u. With `skip_rate` (the rate of a step that does not draft at all), returns −1
+    when skipping drafting beats every bucket: a useless drafter then costs nothing.
+    """
+    a_pred = survival(prev_conf_RG)
+    avail = active_R[:, None] & (jnp.arange(a_pred.shape[1])[None] < caps_R[:, None])
+    _, a_sorted, avail_sorted = _rank_order(a_pred, avail)
+    R = jnp.sum(active_R).astype(jnp.int32)
+    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
+    n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - R, 0, a_sorted.shape[0])
+    fits = jnp.asarray(buckets, jnp.int32) >= R
+    theta_U = jnp.where(fits, (R + csum[n_u]) * jnp.asarray(rates_U, jnp.float32), -1.0)
+    u = jnp.argmax(theta_U).astype(jnp.int32)  # first maximum: the smallest such bucket
+    if skip_rate is not None:
+        u = jnp.where(R * jnp.asarray(skip_rate, jnp.float32) >= theta_U[u], -1, u)
+    return u
+
+
+def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R, k, threshold,
+                     bucket_u, fill: bool):
+    """(ℓ [R], bucket index) for the given policy (the in-loop form of `schedule`; all
+    arguments already arrays/static, `bucket_u` the async budget)."""
+    R_all, G = conf_RG.shape
+    a = survival(conf_RG)
+    avail = active_R[:, None] & (jnp.arange(G)[None] < caps_R[:, None])
+    R = jnp.sum(active_R).astype(jnp.int32)
+    if policy == "fixed":
+        ell = jnp.where(active_R, jnp.minimum(k, caps_R), 0).astype(jnp.int32)
+        return ell, bucket_index(R + jnp.sum(ell), buckets)
+    order, a_sorted, avail_sorted = _rank_order(a, avail)
+    if policy == "sync":
+        n = _sync_count(a_sorted, avail_sorted, R, rates_U, buckets)
+    elif policy == "threshold":
+        n = jnp.sum(avail_sorted & (a_sorted >= threshold))
+    elif policy == "async":
+        n = jnp.clip(jnp.asarray(buckets, jnp.int32)[jnp.maximum(bucket_u, 0)] - R, 0, None)
+        n = jnp.where(bucket_u < 0, 0, jnp.minimum(n, jnp.sum(avail_sorted)))
+    else:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if fill and policy == "threshold":  # sync and async fill their bucket by construction
+        n = _fill_count(n, avail_sorted, R, buckets)
+    ell = _lengths_from_count(order, n, (R_all, G))
+    # The smallest bucket holding what was admitted: below the async budget when fewer
+    # candidates exist (the cost changes, the output distribution cannot).
+    return ell, bucket_index(R + jnp.sum(ell), buckets)
+
+
+def as_table(sps, num_buckets_hint: int | None = None) -> tuple[tuple[int, ...], jax.Array]:
+    """(buckets, rates [U]) from a mapping {packed tokens: steps/s} or a dense array.
+
+    A dense array `sps[i]` is the rate at i + 1 packed tokens (every B its own bucket)."""
+    if isinstance(sps, Mapping):
+        if not sps:
+            raise ValueError("the step-rate mapping is empty; it needs {packed tokens: steps/s} entries")
+        items = sorted((int(n), float(r)) for n, r in sps.items())
+        if items[0][0] < 1:
+            raise ValueError(f"bucket sizes must be >= 1 packed token, got {items[0][0]}")
+        return tuple(n for n, _ in items), jnp.asarray([r for _, r in items], jnp.float32)
+    rates = jnp.asarray(sps, jnp.float32)
+    if rates.ndim != 1:
+        raise ValueError(f"a step-rate array must be 1-D over buckets, got shape {rates.shape}")
+    return tuple(range(1, rates.shape[0] + 1)), rates
+
+
+def schedule(
+    confidences: jax.Array,  # [R, G]
+    sps,
+    policy: str = "sync",
+    *,
+    buckets: Sequence[int] | None = None,
+    prev_confidences: jax.Array | None = None,  # [R, G]
+    k: int | None = None,
+    threshold: float | None = None,
+    active: jax.Array | None = None,  # [R] bool
+    caps: jax.Array | None = None,  # [R] int
+    fill: bool = False,
+    skip_rate: float | None = None,
+) -> jax.Array:
+    """Verification lengths ℓ [R] from calibrated confidences c′ [R, G].
+
+    sps: the step-rate table — a mapping {packed tokens: steps/s}, or an array of rates over
+      `buckets` (ascending packed-token sizes; without `buckets`, sps[i] is the rate at i + 1
+      tokens). A step of B = R + Σℓ tokens costs the rate of the smallest bucket ≥ B.
+    policy: "sync" (paper Algorithm 1, over static buckets: see `_sync_count`), "async"
+      (budget from `prev_confidences`, the confidences of an earlier step, then top-K by
+      current survival), "threshold" (ℓ_r = #{j: a_{r,j} ≥ threshold}), "fixed" (ℓ_r = k).
+    active [R] bool: requests taking part (others get 0 and do not count in B).
+    caps [R]: the most drafts each request may verify (default G).
+    skip_rate: "async": steps/s of a step that does not draft; when that beats every bucket
+      the budget is 0 and every length is 0 (in the decode loop the drafter then does not run).
+    fill: "threshold" admits next-best candidates into the chosen bucket's free slots
+      (causal; see above). "sync" and "async" always fill the bucket they choose.
+    """
+    conf = jnp.asarray(confidences, jnp.float32)
+    if conf.ndim != 2:
+        raise ValueError(f"confidences must be [R, G], got shape {conf.shape}")
+    R, G = conf.shape
+    if buckets is None:
+        buckets, rates = as_table(sps)
+    else:
+        buckets = tuple(int(b) for b in buckets)
+        rates = jnp.asarray(sps, jnp.float32)
+        if rates.shape != (len(buckets),):
+            raise ValueError(f"sps has shape {rates.shape} but there are {len(buckets)} buckets")
+    if list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"buckets must be strictly increasing, got {buckets}")
+    active = jnp.ones((R,), bool) if active is None else jnp.asarray(active, bool)
+    caps = jnp.full((R,), G, jnp.int32) if caps is None else jnp.clip(jnp.asarray(caps, jnp.int32), 0, G)
+    bucket_u = jnp.int32(0)
+    if policy == "fixed":
+        if k is None or not 0 <= k <= G:
+            raise ValueError(f"policy='fixed' needs k in [0, {G}], got {k}")
+    elif policy == "threshold":
+        if threshold is None or not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"policy='threshold' needs threshold in [0, 1], got {threshold}")
+    elif policy == "async":
+        if prev_confidences is None:
+            raise ValueError("policy='async' needs prev_confidences (an earlier step's confidences); "
+                             "using this step's own would not be the async rule")
+        bucket_u = async_budget(jnp.asarray(prev_confidences, jnp.float32), active, caps, rates, buckets,
+                                skip_rate=skip_rate)
+    elif policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    ell, _ = schedule_lengths(conf, policy, rates, buckets, active_R=active, caps_R=caps, k=k or 0,
+                      threshold=threshold or 0.0, bucket_u=bucket_u, fill=fill)
+
+    return ell
+

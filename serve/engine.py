@@ -1,0 +1,314 @@
+"""A continuous-batching engine: requests join free slots while others decode.
+
+    eng = Engine(target, drafter, slots=8, policy="dspark")
+    r = eng.submit("Hello", ds.SamplingParams(max_new_tokens=64), on_token=print)
+    eng.run()            # or eng.step() from your own loop; eng.cancel(r) at any time
+
+Each `step()` admits queued requests into free slots and prefills prompts in chunks (one
+jitted admission of at most P packed prompt tokens, touching only those slots; a long
+prompt takes several steps while the other slots keep decoding), runs `cycles_per_step` cycles of the
+same on-device loop `generate()` uses (`decode_loop`, with the chosen policy over all active
+slots), then streams the new tokens of every request to its callback and retires finished
+or cancelled requests, freeing their slots.
+
+Static shapes, so steady-state serving compiles nothing: S slots, cache length T, output
+buffer O, an admission buffer of P packed prompt tokens; every sampling filter is compiled
+in, so any mix of temperature / top-k / top-p / min-p reuses the same programs.
+Letter legend: S slots, P admission tokens, T cache length, O output buffer, M stop ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.decoding.engine import GenState, _fold, decode_loop, with_sched_state
+from dspark_jax.decoding.generate import _loop_settings, _stop_string_cut, encode_prompt, next_pow2
+from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_or_argmax, transform_logits
+from dspark_jax.models.transformer import KVCache, packed_layout
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    on_token: Callable[[Request, list[int]], None] | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    status: str = "queued"  # queued → prefilling → running → finished | cancelled
+    prefilled: int = 0  # prompt tokens in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    text: str | None = None
+    slot: int | None = None
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "q_max"), donate_argnames=("st",))
+def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, lens_S, chunk_S, final_S,
+          max_new_S, keys_S, stop_ids_SM, sa: SamplingArrays, *, q_max):
+    """Prefills one chunk of prompt for each slot in `chunk_S` (`lens_S` tokens at positions
+    `starts_S`..., packed slot-major in `tokens_P`); the slots in `final_S` (their prompt is
+    now complete) sample their first token and start decoding. Every other slot's state,
+    cache included, is untouched (its packed count is 0, so nothing of it is written)."""
+    target = nnx.merge(tgraph, tstate)
+    S = lens_S.shape[0]
+    zeros = jnp.zeros((S,), jnp.int32)
+    lens = jnp.where(chunk_S, lens_S, 0)
+    feature_layers = drafter.feature_layers if drafter is not None else ()
+    idx = jnp.maximum(jnp.cumsum(lens) - 1, 0)
+    logits, feats, cache = target(st.cache, tokens_P, starts_S, lens, q_max=q_max, logits_idx=idx,
+                                  feature_layers=feature_layers)
+    dcache = st.dcache
+    if drafter is not None:
+        lay = packed_layout(starts_S, lens, tokens_P.shape[0], q_max)
+        dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N)
+    st = st.replace(cache=cache, dcache=dcache, seq_len=jnp.where(chunk_S, starts_S + lens, st.seq_len))
+    new_S = final_S & chunk_S
+    keys = jnp.where(new_S, keys_S, st.keys)
+    first = sample_or_argmax(_fold(keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
+    is_stop = jnp.any(first[:, None] == stop_ids_SM, -1)
+    n_first = jnp.where(is_stop, 0, 1).astype(jnp.int32)
+    new2 = new_S[:, None]
+
+    def pick(fresh, old):
+        return jnp.where(new_S.reshape((S,) + (1,) * (old.ndim - 1)), fresh, old)
+
+    return st.replace(
+        anchor=pick(first, st.anchor),
+        out=jnp.where(new2, jnp.full_like(st.out, -1).at[:, 0].set(first), st.out),
+        n_out=pick(n_first, st.n_out),
+        done=pick(is_stop | (n_first >= max_new_S), st.done),
+        max_new=pick(max_new_S, st.max_new),
+        keys=keys,
+        stop_ids=pick(stop_ids_SM, st.stop_ids),
+        cycles=pick(zeros, st.cycles),
+        tau_sum=pick(zeros, st.tau_sum),
+        reached=pick(jnp.zeros_like(st.reached), st.reached),
+        accepted_at=pick(jnp.zeros_like(st.accepted_at), st.accepted_at),
+        verified=pick(zeros, st.verified),
+        prev_conf=pick(jnp.ones_like(st.prev_conf), st.prev_conf),
+        acc_w=pick(jnp.zeros_like(st.acc_w), st.acc_w),
+        reach_w=pick(jnp.zeros_like(st.reach_w), st.reach_w),
+    )
+
+
+class Engine:
+    """Continuous batching over `slots` request slots with policy "ar", "fixed", "dspark"
+    (async or sync scheduler) or "threshold", as in `generate()`."""
+
+    def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 1024, max_new_tokens: int = 256,
+                 prefill_tokens: int = 256, policy: str | None = None, scheduler="async", threshold: float = 0.5,
+                 num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4):
+        if policy is None:
+            policy = "fixed" if drafter is not None else "ar"
+        if policy in ("fixed", "dspark", "threshold") and drafter is None:
+            raise ValueError(f"policy={policy!r} needs a drafter")
+        if policy == "ar":
+            drafter = None
+        K = 0 if drafter is None else (drafter.block_size if num_draft is None else int(num_draft))
+        if drafter is not None and not 1 <= K <= drafter.block_size:
+            raise ValueError(f"num_draft must be in [1, {drafter.block_size}], got {K}")
+        self.target, self.drafter, self.K = target, drafter, K
+        self.S = slots
+        self.T = next_pow2(max_len, 128)
+        if self.T > target.cfg.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds the model's context of "
+                             f"{target.cfg.max_position_embeddings} tokens")
+        self.max_new_tokens = max_new_tokens
+        self.P = next_pow2(prefill_tokens, 16)
+        self.cycles_per_step = cycles_per_step
+        cfg = target.cfg
+        self.settings, self.sched, self.step_rates = _loop_settings(
+            target, drafter, policy, scheduler, K, slots, self.T, threshold, step_rates, False)
+        O = next_pow2(max_new_tokens) + K + 1
+        self.M = 8  # stop ids per request
+        self.dparams = drafter.params if drafter is not None else None
+        S = slots
+        st = GenState(
+            cache=KVCache.zeros(cfg, S, self.T),
+            dcache=drafter.init_cache(self.dparams, S, self.T) if drafter is not None else None,
+            seq_len=jnp.zeros(S, jnp.int32),
+            anchor=jnp.zeros(S, jnp.int32),
+            out=jnp.full((S, O), -1, jnp.int32),
+            n_out=jnp.zeros(S, jnp.int32),
+            done=jnp.ones(S, bool),
+            max_new=jnp.ones(S, jnp.int32),
+            keys=jax.vmap(jax.random.key)(jnp.zeros(S, jnp.uint32)),
+            stop_ids=jnp.full((S, self.M), -1, jnp.int32),
+            cycles=jnp.zeros(S, jnp.int32),
+            tau_sum=jnp.zeros(S, jnp.int32),
+            reached=jnp.zeros((S, K), jnp.int32),
+            accepted_at=jnp.zeros((S, K), jnp.int32),
+        )
+        self.st = with_sched_state(st, K)
+        self.slot_params = [SamplingParams(temperature=0.0)] * S
+        self.sa = self._sampling_arrays()
+        self.running: dict[int, Request] = {}  # slot → request
+        self.queue: deque[Request] = deque()
+        self._ids = itertools.count()
+        self.finished: list[Request] = []
+        self.tokens_out = 0
+        self.busy_s = 0.0
+
+    def _sampling_arrays(self) -> SamplingArrays:
+        # Every filter compiled in (a row with top_k = 0 / top_p = 1 / min_p = 0 is unaffected),
+        # so no mix of arriving sampling parameters ever compiles a new program.
+        return dataclasses.replace(SamplingArrays.from_params(self.slot_params), use_top_k=True, use_top_p=True,
+                                   use_min_p=True)
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, prompt, sampling: SamplingParams | None = None,
+               on_token: Callable[[Request, list[int]], None] | None = None) -> Request:
+        sp = sampling or SamplingParams()
+        ids = encode_prompt(self.target, prompt)
+        if sp.max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens={sp.max_new_tokens} exceeds the engine's {self.max_new_tokens}")
+        if len(ids) + sp.max_new_tokens + self.K + 1 > self.T:
+            raise ValueError(f"prompt of {len(ids)} tokens + {sp.max_new_tokens} new tokens does not fit the "
+                             f"engine's cache of {self.T} tokens (raise max_len)")
+        if sp.stop and self.target.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        req = Request(next(self._ids), ids, sp, on_token, submitted_at=time.perf_counter())
+        self.queue.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stops a request now; its slot is free for the next `step()`."""
+        if req.status == "queued":
+            self.queue.remove(req)
+            self._finish(req, "cancelled")
+        elif req.status in ("prefilling", "running"):
+            self.st = self.st.replace(done=self.st.done.at[req.slot].set(True))
+            self._finish(req, "cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.running
+
+    def run(self) -> list[Request]:
+        while not self.idle:
+            self.step()
+        return self.finished
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self._admit()
+        if any(r.status == "running" for r in self.running.values()):
+            self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
+                                  self.sa, jnp.int32(self.cycles_per_step), self.sched, settings=self.settings)
+            self._collect()
+        self.busy_s += time.perf_counter() - t0
+
+    def stats(self) -> dict[str, Any]:
+        done = [r for r in self.finished if r.status == "finished"]
+        st = {"requests_finished": len(done), "requests_cancelled": len(self.finished) - len(done),
+              "tokens_out": self.tokens_out, "tokens_per_s": self.tokens_out / max(self.busy_s, 1e-9)}
+        if done:
+            st["mean_queue_s"] = float(np.mean([r.stats["queue_s"] for r in done]))
+            if self.drafter is not None:
+                st["tau"] = float(np.mean([r.stats["tau"] for r in done]))
+        return st
+
+    # ------------------------------------------------------------------ internals
+
+    def _admit(self):
+        """Free slots take queued requests; every prefilling slot gets its next prompt chunk
+        (P packed tokens per step in all, so a long prompt takes several steps while the
+        other slots keep decoding)."""
+        for slot in range(self.S):
+            if self.queue and slot not in self.running:
+                req = self.queue.popleft()
+                req.status, req.slot, req.started_at = "prefilling", slot, time.perf_counter()
+                self.running[slot] = req
+        S = self.S
+        starts, lens = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        chunk, final = np.zeros(S, bool), np.zeros(S, bool)
+        max_new, seeds = np.ones(S, np.int32), np.zeros(S, np.uint32)
+        stop_ids = np.full((S, self.M), -1, np.int32)
+        tokens = np.zeros(self.P, np.int32)
+        used = 0
+        for slot in range(S):  # slot-major packing
+            req = self.running.get(slot)
+            if req is None or req.status != "prefilling" or used == self.P:
+                continue
+            n = min(len(req.prompt_ids) - req.prefilled, self.P - used)
+            starts[slot], lens[slot], chunk[slot] = req.prefilled, n, True
+            tokens[used: used + n] = req.prompt_ids[req.prefilled: req.prefilled + n]
+            used += n
+            req.prefilled += n
+            if req.prefilled == len(req.prompt_ids):
+                final[slot] = True
+                sp = req.sampling
+                max_new[slot], seeds[slot] = sp.max_new_tokens, sp.seed
+                stops = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
+                if not sp.ignore_eos:
+                    stops += [t for t in self.target.eos_token_ids if t not in stops]
+                if len(stops) > self.M:
+                    raise ValueError(f"request {req.id} has {len(stops)} stop token ids; the engine holds {self.M}")
+                stop_ids[slot, : len(stops)] = stops
+                self.slot_params[slot] = sp
+        if not chunk.any():
+            return
+        if final.any():
+            self.sa = self._sampling_arrays()
+        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+        self.st = admit(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
+                        jnp.asarray(tokens), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(chunk),
+                        jnp.asarray(final), jnp.asarray(max_new), keys, jnp.asarray(stop_ids), self.sa, q_max=self.P)
+        for slot in np.flatnonzero(final):
+            self.running[int(slot)].status = "running"
+        self._collect()  # first tokens (and requests that stop on them)
+
+    def _collect(self):
+        out, n_out, done = np.asarray(self.st.out), np.asarray(self.st.n_out), np.asarray(self.st.done)
+        for slot, req in list(self.running.items()):
+            if req.status != "running":
+                continue
+            new = out[slot, len(req.tokens): n_out[slot]].tolist()
+            finished = bool(done[slot])
+            reason = "stop" if finished and n_out[slot] < req.sampling.max_new_tokens else "length"
+            if req.sampling.stop and new:
+                cut = _stop_string_cut(self.target.tokenizer, req.tokens + new, req.sampling.stop)
+                if cut is not None:
+                    new = cut[0][len(req.tokens):]
+                    req.text = cut[1]
+                    finished, reason = True, "stop"
+                    self.st = self.st.replace(done=self.st.done.at[slot].set(True))
+            if new:
+                req.tokens += new
+                self.tokens_out += len(new)
+                if req.on_token is not None:
+                    req.on_token(req, new)
+            if finished:
+                self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str):
+        req.status = "cancelled" if reason == "cancelled" else "finished"
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        if req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            s = req.slot
+            cycles = int(self.st.cycles[s])
+            req.stats = {"queue_s": req.started_at - req.submitted_at,
+                         "latency_s": req.finished_at - req.submitted_at, "cycles": cycles,
+                         "tau": int(self.st.tau_sum[s]) / max(cycles, 1), "verified": int(self.st.verified[s])}
+        else:
+            req.stats = {"queue_s": None}
+        if req.text is None and self.target.tokenizer is not None:
+            req.text = self.target.tokenizer.decode(req.tokens)
+        self.finished.append(req)
