@@ -76,10 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "{'prompt': ...} / {'turns': [...]} object per line (instead of the positional prompt; "
                          "default: none)")
     ap.add_argument("--model", default="smollm2-135m", help="embedded model name, HF model directory or .gguf file")
-    ap.add_argument("--drafter", metavar="DIR", default=None,
-                    help="drafter directory (our export or a DeepSpec checkpoint); default: none, i.e. autoregressive")
+    ap.add_argument("--drafter", metavar="DIR", default="auto",
+                    help="drafter directory (our export or a DeepSpec checkpoint) or a shipped drafter's name; "
+                         "default 'auto': the drafter shipped for --model if there is one "
+                         "(smollm2-135m-dspark for the default model), else autoregressive")
+    ap.add_argument("--no-drafter", action="store_true",
+                    help="plain autoregressive decoding (default: off)")
+    ap.add_argument("--policy", choices=("fixed", "dspark", "threshold"), default="fixed",
+                    help="verification policy with a drafter: fixed length, the confidence scheduler, or a "
+                         "static confidence threshold")
     ap.add_argument("--num-draft", type=int, default=None,
-                    help="drafts verified per cycle, 1..γ (needs --drafter; default: the drafter's block size γ)")
+                    help="drafts verified per cycle with --policy fixed, 1..γ (default: the drafter's block size γ)")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="with a drafter, skip the autoregressive rerun that measures the speedup (default: off)")
     ap.add_argument("--raw", action="store_true",
                     help="use the prompt text as is, without the chat template (default: off)")
     ap.add_argument("--max-new-tokens", type=int, default=_SP.max_new_tokens, help="tokens to generate at most")
@@ -118,8 +127,17 @@ def _prompts(ap: argparse.ArgumentParser, args) -> list:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.no_drafter:
+        if args.drafter != "auto":
+            ap.error("--no-drafter and --drafter contradict each other")
+        args.drafter = None
+    elif args.drafter == "auto":
+        from dspark_jax.io.drafter_io import SHIPPED_DRAFTERS, shipped_drafter_path
+
+        names = [n for n, t in SHIPPED_DRAFTERS.items() if t == args.model and os.path.isdir(shipped_drafter_path(n))]
+        args.drafter = names[0] if names else None
     if args.num_draft is not None and not args.drafter:
-        ap.error("--num-draft needs --drafter DIR (without a drafter decoding is autoregressive)")
+        ap.error("--num-draft needs a drafter (without one decoding is autoregressive)")
     try:
         prompts = _prompts(ap, args)
         sampling = ds.SamplingParams(
@@ -139,7 +157,14 @@ def main(argv=None) -> int:
         target = ds.load_target(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
         drafter = ds.load_drafter(args.drafter, target) if args.drafter else None
         t_load = time.perf_counter() - t0
-        out = ds.generate(target, prompts, drafter=drafter, sampling=sampling, num_draft=args.num_draft)
+        policy = args.policy if drafter is not None else None
+        out = ds.generate(target, prompts, drafter=drafter, sampling=sampling, num_draft=args.num_draft,
+                          policy=policy)
+        ar = None
+        if drafter is not None and not args.no_compare:
+            # The same prompts without the drafter, same seeds: the measured speedup.
+            replay = [ds.SamplingParams(**{**sampling.__dict__, "seed": sd}) for sd in out.stats["seeds"]]
+            ar = ds.generate(target, prompts, sampling=replay)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -158,6 +183,11 @@ def main(argv=None) -> int:
         + ")",
         file=sys.stderr,
     )
+    if ar is not None:
+        a = ar.stats
+        same = " (identical output)" if sampling.greedy and ar.token_ids == out.token_ids else ""
+        print(f"[{target.name}] autoregressive: {a['new_tokens']} tokens, {a['tokens_per_s']:.1f} tokens/s → "
+              f"speedup {s['tokens_per_s'] / max(a['tokens_per_s'], 1e-9):.2f}×{same}", file=sys.stderr)
     return 0
 
 

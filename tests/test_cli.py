@@ -27,7 +27,12 @@ def recorded(monkeypatch):
         stats = {"new_tokens": 1, "tokens_per_s": 1.0, "compile_s": 0.0, "policy": "ar", "seeds": [1] * len(prompts)}
         return GenerationOutput(["x"] * len(prompts), [[1]] * len(prompts), stats)
 
+    def load_drafter(path, target):
+        calls["drafter"] = path
+        return object()
+
     monkeypatch.setattr(ds, "load_target", load_target)
+    monkeypatch.setattr(ds, "load_drafter", load_drafter)
     monkeypatch.setattr(ds, "generate", generate)
     return calls
 
@@ -83,9 +88,9 @@ def test_prompts_file_errors(recorded, tmp_path, capsys):
 
 def test_num_draft_without_drafter_is_an_error(recorded, capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["hello", "--num-draft", "3"])
+        cli.main(["hello", "--no-drafter", "--num-draft", "3"])
     assert e.value.code == 2
-    assert "--num-draft needs --drafter" in capsys.readouterr().err
+    assert "--num-draft needs a drafter" in capsys.readouterr().err
     assert "load_target" not in recorded
 
 
@@ -102,3 +107,18 @@ def test_bad_sampling_value_is_an_error_message(recorded, capsys):
     assert cli.main(["hello", "--top-p", "0"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
     assert "load_target" not in recorded
+
+
+def test_default_drafter_is_the_shipped_one_and_no_drafter_turns_it_off(recorded, monkeypatch):
+    from dspark_jax.io import drafter_io
+
+    monkeypatch.setattr(drafter_io, "shipped_drafter_path", lambda name: "/")  # as if installed
+    monkeypatch.setattr(drafter_io, "inspect_drafter", lambda path: ("ours", {}))
+    assert cli.main(["hi", "--no-compile-cache"]) == 0
+    assert recorded["drafter"] == "smollm2-135m-dspark"
+    recorded.clear()
+    assert cli.main(["hi", "--no-drafter", "--no-compile-cache"]) == 0
+    assert "drafter" not in recorded and recorded["kw"]["drafter"] is None
+    recorded.clear()
+    assert cli.main(["hi", "--model", "some.gguf", "--no-compile-cache"]) == 0  # nothing shipped for it
+    assert "drafter" not in recorded

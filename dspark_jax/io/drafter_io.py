@@ -285,11 +285,32 @@ def _looks_like_deepspec(d: dict) -> bool:
     return named or "block_size" in d or "target_layer_ids" in d
 
 
+# Drafters that ship inside the package (dspark_jax/drafters/NAME), loadable by name.
+SHIPPED_DRAFTERS = {"smollm2-135m-dspark": "smollm2-135m"}  # name → the target it was trained for
+
+
+def shipped_drafter_path(name: str) -> str:
+    """The directory of a drafter shipped with the package."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters", name)
+
+
+def resolve_drafter_path(path: str) -> str:
+    """A drafter directory, or the name of a shipped drafter (an existing directory wins)."""
+    if path in SHIPPED_DRAFTERS and not os.path.isdir(path):
+        p = shipped_drafter_path(path)
+        if not os.path.isdir(p):
+            raise FileNotFoundError(f"the shipped drafter {path!r} is missing from this installation ({p})")
+        return p
+    return path
+
+
 def inspect_drafter(path: str) -> tuple[str, dict]:
     """Checks a drafter directory without loading weights: ("ours" | "deepspec", config dict).
 
     Cheap (reads config.json only), so a CLI can call it before the multi-second target load.
+    `path` may also name a shipped drafter (`SHIPPED_DRAFTERS`).
     """
+    path = resolve_drafter_path(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no drafter directory at {path!r}")
     cfg_path = os.path.join(path, "config.json")
@@ -318,12 +339,14 @@ def inspect_drafter(path: str) -> tuple[str, dict]:
 
 
 def load_drafter(path: str, target=None) -> Drafter:
-    """Loads our export or a DeepSpec DSpark/DFlash checkpoint directory.
+    """Loads our export or a DeepSpec DSpark/DFlash checkpoint directory, or a shipped drafter
+    by name (`"smollm2-135m-dspark"`).
 
     With `target` given, checks that the drafter fits it (hidden size, vocab, depth, RoPE,
     and for DeepSpec checkpoints that the stored embedding equals the target's). A DeepSpec
     config that omits a numeric field (e.g. RoPE θ) needs `target` to supply it.
     """
+    path = resolve_drafter_path(path)
     kind, d = inspect_drafter(path)
     source = os.path.join(path, "config.json")
     if kind == "ours":
