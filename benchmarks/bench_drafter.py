@@ -8,6 +8,11 @@ token per request. At each request count all configurations run round-robin for
 `--repeats` rounds; tables give median (min–max) and the machine's load average.
 
     python -m benchmarks.bench_drafter [--repeats 7] [--requests 1 16]
+    python -m benchmarks.bench_drafter --levers [--repeats 7]
+
+`--levers`: γ = 7, 2 draft layers, Markov r = 256, adding each cost lever in turn — full
+vocabulary → draft vocabulary of 32k / 16k / 8k tokens → top-k sequential bias (k = 32) →
+greedy (temperature 0) — as draft-block time ÷ target decode-step time.
 """
 
 from __future__ import annotations
@@ -52,12 +57,46 @@ def target_step_fn(target, R):
     return run
 
 
+LEVERS = (  # (label, draft vocabulary size, top-k bias, temperature)
+    ("full vocabulary (49,152)", 0, 0, 1.0),
+    ("draft vocab 32k", 32768, 0, 1.0),
+    ("draft vocab 16k", 16384, 0, 1.0),
+    ("draft vocab 8k", 8192, 0, 1.0),
+    ("8k + top-k bias (k=32)", 8192, 32, 1.0),
+    ("8k + top-k bias + greedy", 8192, 32, 0.0),
+)
+
+
+def levers(target, requests, repeats):
+    rows = []
+    base = ds.DrafterConfig.for_target(target.cfg, block_size=7, num_layers=2, markov_rank=256)
+    for R in requests:
+        configs = {"step": target_step_fn(target, R)}
+        for label, dv, k, temp in LEVERS:
+            d = Drafter.random(base.replace(draft_vocab_size=dv, draft_topk=k)).bind(target)
+            configs[label] = draft_fn(target, d, R, temperature=temp)
+        times = interleaved(configs, repeats=repeats)
+        t_step = median(times["step"])
+        for label, *_ in LEVERS:
+            rows.append([R, label, spread(times[label], 1e3), spread(times["step"], 1e3),
+                         f"{median(times[label]) / t_step:.2f}"])
+            print(rows[-1], flush=True)
+    print(f"\n# after: {machine_load()}; {repeats} interleaved rounds; ms as median (min–max)\n")
+    print(table(["requests", "drafter (γ=7, 2 layers, Markov r=256)", "draft ms", "target step ms",
+                 "draft / step (medians)"], rows))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds per configuration")
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--levers", action="store_true", help="the cost-lever table (draft vocabulary, top-k, greedy)")
     args = ap.parse_args()
     target = ds.load_target("smollm2-135m")
+    if args.levers:
+        print(f"# Drafting cost levers on SmolLM2-135M fp32 — {hardware()}")
+        print(f"# before: {machine_load()}\n")
+        return levers(target, args.requests, args.repeats)
     print(f"# Drafter block cost on SmolLM2-135M fp32 — {hardware()}")
     print(f"# before: {machine_load()}\n")
     rows = []

@@ -53,7 +53,12 @@ SCRIPT = textwrap.dedent("""
     from jax.experimental import multihost_utils
     leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(st.params)]
     print("RESULT", json.dumps({"devices": jax.device_count(), "processes": jax.process_count(),
-                                "loss": float(m["loss"]), "params": [x.ravel().tolist() for x in leaves]}))
+                                "loss": float(m["loss"]), "params": [x.ravel().tolist() for x in leaves]}),
+          flush=True)
+    # Both processes are past the last collective (the allgather above) and have printed.
+    # Skip the distributed shutdown barrier: on CPU with gloo it was seen to hang or abort
+    # here (a known rough edge, see README), which says nothing about training.
+    os._exit(0)
 """)
 
 

@@ -25,6 +25,7 @@ class TrainConfig:
     regen_temperature: float = 0.7
     regen_top_p: float = 0.8
     regen_top_k: int = 20
+    max_regen_batches: int = 0  # stop regenerating after this many batches (0 = all prompts)
     # Off-policy supplement: this many ShareGPT prompts with the dataset's own answers (no
     # regeneration cost; only ShareGPT has answers). 0 = on-policy data only.
     original_answers: int = 0
@@ -41,6 +42,7 @@ class TrainConfig:
     num_anchors: int = 32
     batch_size: int = 8
     num_epochs: int = 4
+    max_steps: int = 0  # cap on the total steps (0 = num_epochs full epochs); the LR schedule spans it
     learning_rate: float = 6e-4
     warmup_fraction: float = 0.04
     weight_decay: float = 0.0

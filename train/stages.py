@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -33,7 +34,7 @@ def load_target(cfg: TrainConfig):
 def _prompts(cfg: TrainConfig, target):
     """(train prompts, held-out prompts); 'synthetic' gives token-id prompts for tiny targets."""
     rng = np.random.default_rng(cfg.seed)
-    allp = []
+    allp: list = []
     for src in cfg.prompt_sources:
         if src == "synthetic":
             V = target.cfg.vocab_size
@@ -42,8 +43,7 @@ def _prompts(cfg: TrainConfig, target):
             allp += list(iter_prompts(src))
     if not allp:
         raise ValueError(f"the prompt sources {cfg.prompt_sources} hold no prompts")
-    order = rng.permutation(len(allp))
-    allp = [allp[i] for i in order]
+    random.Random(cfg.seed).shuffle(allp)
     key = (lambda p: p if isinstance(p[0], dict) else [{"role": "ids", "content": str(p)}])
     held = [p for p in allp if is_heldout(key(p), cfg.heldout_fraction)][: cfg.max_heldout_prompts]
     train = [p for p in allp if not is_heldout(key(p), cfg.heldout_fraction)][: cfg.max_prompts]
@@ -57,7 +57,7 @@ def data(cfg: TrainConfig, workdir: str) -> None:
               max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
               top_p=cfg.regen_top_p, top_k=cfg.regen_top_k, seed=cfg.seed)
     regenerate(target, held, os.path.join(workdir, "data", "heldout"), **kw)
-    regenerate(target, train, os.path.join(workdir, "data", "train"), **kw)
+    regenerate(target, train, os.path.join(workdir, "data", "train"), max_batches=cfg.max_regen_batches, **kw)
     if cfg.original_answers:
         rng = np.random.default_rng(cfg.seed + 1)
         pairs = [([{"role": "user", "content": q}], a) for q, a in sharegpt_pairs()]
@@ -163,6 +163,8 @@ def train(cfg: TrainConfig, workdir: str) -> None:
     if steps_per_epoch == 0:
         raise ValueError(f"{n_seq} training sequences is fewer than one batch of {cfg.batch_size}")
     total = steps_per_epoch * cfg.num_epochs
+    if cfg.max_steps > 0:
+        total = min(total, cfg.max_steps)
     opt = ts.OptimConfig(cfg.learning_rate, cfg.warmup_fraction, total, cfg.weight_decay, cfg.clip_norm)
     tx = opt.optimizer()
     mesh = distributed.training_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.drafting import Drafter
-from dspark_jax.decoding.engine import GenState, LoopSettings, _cycle, _fold, prefill
+from dspark_jax.decoding.engine import GenState, LoopSettings, _cycle, _fold, prefill, with_sched_state
 from dspark_jax.decoding.generate import encode_prompt, next_pow2
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
@@ -267,7 +267,7 @@ def _collect_step(tgraph, tstate, drafter, dparams, st: GenState, sa, *, setting
     toks, _, conf = _raw_draft(drafter, dparams, st.dcache, target, st.anchor, st.seq_len, kd, sa)
     remaining = st.max_new - st.n_out
     nv = jnp.where(active, jnp.clip(jnp.minimum(K, remaining - 1), 0, K), 0)
-    new = _cycle(target, drafter, dparams, st, sa, settings)
+    new = _cycle(target, drafter, dparams, st, sa, settings, None)
     accepted = jnp.where(active, new.seq_len - st.seq_len - 1, 0)
     emitted = jax.vmap(lambda o, i: jax.lax.dynamic_slice(o, (i,), (K,)))(new.out, st.n_out)
     j = jnp.arange(K)[None]
@@ -308,6 +308,7 @@ def _run_cycles(target, drafter: Drafter, ids: list[list[int]], params: list[Sam
         stop_ids=jnp.asarray(stop_ids), cycles=jnp.zeros(S, jnp.int32), tau_sum=jnp.zeros(S, jnp.int32),
         reached=jnp.zeros((S, K), jnp.int32), accepted_at=jnp.zeros((S, K), jnp.int32),
     )
+    st = with_sched_state(st, K)
     st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens), jnp.asarray(lens), sa,
                  q_max=next_pow2(max(len(x) for x in ids), 16))
     settings = LoopSettings(num_draft=K)

@@ -21,8 +21,9 @@ from dspark_jax.training import records
 
 def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: int = 32,
                max_prompt_tokens: int = 256, max_new_tokens: int = 256, temperature: float = 0.7,
-               top_p: float = 0.8, top_k: int = 20, seed: int = 0, log=sys.stderr) -> dict:
-    """Answers `prompts` with `target`, writing shards into `out_dir`. Returns counts."""
+               top_p: float = 0.8, top_k: int = 20, seed: int = 0, max_batches: int = 0, log=sys.stderr) -> dict:
+    """Answers `prompts` with `target`, writing shards into `out_dir` (the first `max_batches`
+    batches only, when > 0). Returns counts."""
     os.makedirs(out_dir, exist_ok=True)
     encoded = []
     for p in prompts:
@@ -31,6 +32,8 @@ def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: i
             encoded.append((p, ids))
     eos = target.eos_token_ids
     n_batches = (len(encoded) + batch_size - 1) // batch_size
+    if max_batches > 0:
+        n_batches = min(n_batches, max_batches)
     t0 = time.perf_counter()
     done_tokens = 0
     written = 0
