@@ -89,15 +89,17 @@ def main(argv=None):
     ap.add_argument("--speed-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-tau", action="store_true")
     args = ap.parse_args(argv)
     target = ds.load_target(args.target)
     drafters = {"DSpark": ds.load_drafter(args.drafter, target)}
     if args.baseline:
         drafters["DFlash"] = ds.load_drafter(args.baseline, target)
     print(f"# {hardware()}; {machine_load()} at start")
-    print(f"\n## τ ({args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, γ = "
-          f"{drafters['DSpark'].block_size}, batch {args.prompts})\n")
-    print(tau_table(target, drafters, args.prompts, args.max_new_tokens), flush=True)
+    if not args.skip_tau:
+        print(f"\n## τ ({args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, γ = "
+              f"{drafters['DSpark'].block_size}, batch {args.prompts})\n")
+        print(tau_table(target, drafters, args.prompts, args.max_new_tokens), flush=True)
     if not args.skip_speed:
         print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved)\n")
         print(speed_table(target, drafters["DSpark"], args.speed_prompts, args.max_new_tokens))

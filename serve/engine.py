@@ -33,8 +33,10 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.engine import GenState, _fold, decode_loop, with_sched_state
-from dspark_jax.decoding.generate import _loop_settings, _stop_string_cut, encode_prompt, next_pow2
+from dspark_jax.decoding.generate import _loop_settings, encode_prompt, next_pow2
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_or_argmax, transform_logits
+from dspark_jax.decoding.seeds import request_keys, resolve_seed
+from dspark_jax.decoding.stop_strings import stop_string_cut
 from dspark_jax.models.transformer import KVCache, packed_layout
 
 
@@ -48,6 +50,7 @@ class Request:
     status: str = "queued"  # queued → prefilling → running → finished | cancelled
     prefilled: int = 0  # prompt tokens in the cache
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    seed: int | None = None  # the seed it ran with (drawn fresh when sampling.seed is None)
     text: str | None = None
     slot: int | None = None
     submitted_at: float = 0.0
@@ -121,6 +124,9 @@ class Engine:
         K = 0 if drafter is None else (drafter.block_size if num_draft is None else int(num_draft))
         if drafter is not None and not 1 <= K <= drafter.block_size:
             raise ValueError(f"num_draft must be in [1, {drafter.block_size}], got {K}")
+        if drafter is not None and hasattr(drafter, "cfg"):
+            drafter.cfg.check_compatible(target.cfg)
+            drafter.bind(target)  # the LM head rows of its draft vocabulary
         self.target, self.drafter, self.K = target, drafter, K
         self.S = slots
         self.T = next_pow2(max_len, 128)
@@ -237,7 +243,7 @@ class Engine:
         S = self.S
         starts, lens = np.zeros(S, np.int32), np.zeros(S, np.int32)
         chunk, final = np.zeros(S, bool), np.zeros(S, bool)
-        max_new, seeds = np.ones(S, np.int32), np.zeros(S, np.uint32)
+        max_new, seeds = np.ones(S, np.int32), [0] * S
         stop_ids = np.full((S, self.M), -1, np.int32)
         tokens = np.zeros(self.P, np.int32)
         used = 0
@@ -253,7 +259,8 @@ class Engine:
             if req.prefilled == len(req.prompt_ids):
                 final[slot] = True
                 sp = req.sampling
-                max_new[slot], seeds[slot] = sp.max_new_tokens, sp.seed
+                req.seed = resolve_seed(sp.seed)  # None → fresh, recorded on the request
+                max_new[slot], seeds[slot] = sp.max_new_tokens, req.seed
                 stops = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
                 if not sp.ignore_eos:
                     stops += [t for t in self.target.eos_token_ids if t not in stops]
@@ -265,7 +272,7 @@ class Engine:
             return
         if final.any():
             self.sa = self._sampling_arrays()
-        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+        keys = request_keys(seeds)
         self.st = admit(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
                         jnp.asarray(tokens), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(chunk),
                         jnp.asarray(final), jnp.asarray(max_new), keys, jnp.asarray(stop_ids), self.sa, q_max=self.P)
@@ -282,7 +289,7 @@ class Engine:
             finished = bool(done[slot])
             reason = "stop" if finished and n_out[slot] < req.sampling.max_new_tokens else "length"
             if req.sampling.stop and new:
-                cut = _stop_string_cut(self.target.tokenizer, req.tokens + new, req.sampling.stop)
+                cut = stop_string_cut(self.target.tokenizer.decode, req.tokens + new, req.sampling.stop)
                 if cut is not None:
                     new = cut[0][len(req.tokens):]
                     req.text = cut[1]

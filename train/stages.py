@@ -278,7 +278,9 @@ def calibrate(cfg: TrainConfig, workdir: str) -> None:
     prompts = [t[m == 0].tolist() for t, m in held][: cfg.calib_prompts]
     if not prompts:
         raise ValueError("no held-out prompts to calibrate on: run the data stage first")
-    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=cfg.calib_max_new_tokens)
+    # Temperature 1: the confidence head's label is the acceptance probability under sampling
+    # (1 − TV), so that is the regime whose survival it is calibrated for.
+    sp = ds.SamplingParams(temperature=1.0, max_new_tokens=cfg.calib_max_new_tokens, seed=cfg.seed)
     conf, acc, ver = calibration.collect_cycles(target, drafter, prompts, max_new_tokens=cfg.calib_max_new_tokens,
                                                 sampling=sp)
     out = os.path.join(workdir, "calibration")
