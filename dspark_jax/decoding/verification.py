@@ -1,4 +1,4 @@
-"""Lossless verification of draft blocks (DESIGN.md §3.1).
+"""Lossless verification of draft blocks (docs/method.md §5).
 
 `verify(keys, draft_tokens, draft_logits, target_logits, num_verify, sa)`:
 

@@ -1,4 +1,4 @@
-"""The sequential stage of the DSpark drafter (DESIGN.md §2.2-2.4).
+"""The sequential stage of the DSpark drafter (docs/method.md §2.2–2.3).
 
 Letter legend: S rows (requests, or batch × anchors in training), G block positions (γ),
 V vocab, D model width, R Markov rank.

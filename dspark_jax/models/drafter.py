@@ -4,7 +4,7 @@ Letter legend: B batch rows (requests), T context positions, A anchors per row,
 G block size (γ), Q block queries (A·G in training, G at inference), N packed tokens,
 L draft layers, D width, F tapped features (n·D), K KV heads, E head dim, V vocab.
 
-Backbone (DESIGN.md §2.1): H_ctx = RMSNorm(W_fc [H(l1); …; H(ln)]) once; in every draft
+Backbone (docs/method.md §2.1): H_ctx = RMSNorm(W_fc [H(l1); …; H(ln)]) once; in every draft
 layer the block's queries attend to [k_proj(H_ctx); k_proj(H_block)] (same projections and
 k_norm for both; context features skip the layer norm, o_proj and MLP), bidirectionally
 inside the block and to context positions before the anchor. The block input is

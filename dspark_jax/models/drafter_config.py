@@ -11,7 +11,7 @@ HEAD_TYPES = ("markov", "gated", "rnn", "none")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
-    """`round(1 + i·(L−4)/(n−1))` (DESIGN.md §2.1); Qwen3-8B (L=36) → (1, 9, 17, 25, 33)."""
+    """`round(1 + i·(L−4)/(n−1))` (docs/method.md §2.1); Qwen3-8B (L=36) → (1, 9, 17, 25, 33)."""
     L = num_target_layers
     if n > L:
         raise ValueError(f"cannot tap {n} distinct layers of a {L}-layer target")
