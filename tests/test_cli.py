@@ -23,7 +23,12 @@ def recorded(monkeypatch):
         return FakeTarget()
 
     def generate(target, prompts, **kw):
-        calls["prompts"], calls["kw"] = prompts, kw
+        # The first call is the requested run; a second one is the autoregressive rerun that
+        # measures the speedup (with a drafter), recorded separately.
+        if "drafter" not in kw:
+            calls["rerun_kw"] = kw
+        else:
+            calls["prompts"], calls["kw"] = prompts, kw
         stats = {"new_tokens": 1, "tokens_per_s": 1.0, "compile_s": 0.0, "policy": "ar", "seeds": [1] * len(prompts)}
         return GenerationOutput(["x"] * len(prompts), [[1]] * len(prompts), stats)
 
