@@ -190,3 +190,18 @@ class ModelConfig:
         )
         base.update(kw)
         return cls(**base)
+
+
+# Published geometries of larger targets (for sizing runs with `jax.eval_shape`; the weights
+# come from the user's own HF directory at training time).
+PRESETS = {
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                     intermediate_size=12288, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     qk_norm=True, max_position_embeddings=40960, family="qwen3", dtype="bfloat16"),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                         head_dim=128, intermediate_size=14336, rope_theta=500000.0,
+                         rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                                       ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+                         family="llama", dtype="bfloat16"),
+}

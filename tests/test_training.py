@@ -204,3 +204,15 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_data, tmp_path)
     assert rc == 2
     assert "loss is nan at step" in err.lower() and "last good checkpoint (step 14)" in err
     assert (tmp_path / "ckpt" / "14").exists()
+
+
+@pytest.mark.parametrize("preset", ["qwen3_8b_tpu", "llama31_8b_tpu"])
+def test_tpu_presets_size_with_eval_shape(preset, capsys):
+    from train.dry_run import main
+
+    assert main(["--config", os.path.join(ROOT, "configs", f"{preset}.py"), "--mesh", "1,16,4"]) == 0
+    out = capsys.readouterr().out
+    assert "64 devices" in out and out.count("GiB per device") == 4
+    # 8B target in bf16: 15–16 GiB in all, 1/64 of its sharded tensors per device.
+    total = float(out.split("target (frozen)")[1].split("GiB")[0])
+    assert 14.0 < total < 17.0
