@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.engine import GenState, _fold, decode_loop, with_sched_state
-from dspark_jax.decoding.generate import _loop_settings, encode_prompt, next_pow2
+from dspark_jax.decoding.generate import _loop_settings, attention_windows, encode_prompt, next_pow2, pick_window
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_or_argmax, transform_logits
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
@@ -114,7 +114,8 @@ class Engine:
 
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 1024, max_new_tokens: int = 256,
                  prefill_tokens: int = 256, policy: str | None = None, scheduler="async", threshold: float = 0.5,
-                 num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4):
+                 num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4,
+                 windowed_attention: bool = True):
         if policy is None:
             policy = "fixed" if drafter is not None else "ar"
         if policy in ("fixed", "dspark", "threshold") and drafter is None:
@@ -135,6 +136,9 @@ class Engine:
                              f"{target.cfg.max_position_embeddings} tokens")
         self.max_new_tokens = max_new_tokens
         self.P = next_pow2(prefill_tokens, 16)
+        # Decode attention reads a window of the cache that covers every running slot's
+        # context (as in generate(); each window compiles once, when first reached).
+        self.windows = attention_windows(self.T) if windowed_attention else []
         self.cycles_per_step = cycles_per_step
         cfg = target.cfg
         self.settings, self.sched, self.step_rates = _loop_settings(
@@ -214,8 +218,11 @@ class Engine:
         t0 = time.perf_counter()
         self._admit()
         if any(r.status == "running" for r in self.running.values()):
+            seq_len, done = np.asarray(self.st.seq_len), np.asarray(self.st.done)
+            window = pick_window(self.windows, int(seq_len[~done].max(initial=0)) + self.K + 1)
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
-                                  self.sa, jnp.int32(self.cycles_per_step), self.sched, settings=self.settings)
+                                  self.sa, jnp.int32(self.cycles_per_step), self.sched,
+                                  settings=dataclasses.replace(self.settings, kv_window=window))
             self._collect()
         self.busy_s += time.perf_counter() - t0
 

@@ -103,8 +103,9 @@ class Drafter:
         return KVCache(k, v)
 
     def draft(self, params, cache: KVCache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays,
-              *, use_scan: bool = True):
-        """→ (tokens [S, G], transformed logits [S, G, V], calibrated confidences [S, G])."""
+              *, use_scan: bool = True, with_logits: bool = True):
+        """→ (tokens [S, G], transformed logits [S, G, V] (None with `with_logits=False`),
+        calibrated confidences [S, G])."""
         d = nnx.merge(self.graphdef, params)
         G = self.cfg.block_size
         T = cache.k.shape[2]
@@ -120,16 +121,18 @@ class Drafter:
         U = jnp.einsum("sgd,dv->sgv", h, head, preferred_element_type=jnp.float32)
         toks, logits, conf = sample_block(d.head, d.confidence, U, h, anchor_S, keys_S, sa, draft_ids=ids,
                                           vocab_size=self.cfg.vocab_size, topk=self.cfg.draft_topk,
-                                          use_scan=use_scan)
+                                          use_scan=use_scan, with_logits=with_logits)
         return toks, logits, sts_confidence(conf, self.cfg.sts_temperatures)
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "tgraph", "use_scan"))
+@functools.partial(jax.jit, static_argnames=("drafter", "tgraph", "use_scan", "with_logits"))
 def draft_block(drafter: Drafter, params, tgraph, tstate, cache, anchor_S, anchor_pos_S, keys_S, sa,
-                use_scan=True):
-    """Jitted drafting of one block for every slot (the engine inlines the same call)."""
+                use_scan=True, with_logits=True):
+    """Jitted drafting of one block for every slot (the engine inlines the same call;
+    `with_logits=False` is what it costs under greedy verification, which reads no logits)."""
     target = nnx.merge(tgraph, tstate)
-    return drafter.draft(params, cache, target, anchor_S, anchor_pos_S, keys_S, sa, use_scan=use_scan)
+    return drafter.draft(params, cache, target, anchor_S, anchor_pos_S, keys_S, sa, use_scan=use_scan,
+                         with_logits=with_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "tgraph"), donate_argnames=("cache",))

@@ -59,6 +59,11 @@ class LoopSettings:
     # worth `calib_prior` observations.
     calib_decay: float = 0.99
     calib_prior: float = 0.5
+    # Attention window (cache-length bucket): the target, and a drafter whose context cache
+    # is a KVCache, attend over the first `kv_window` cache positions only; the loop stops
+    # before a cycle could reach past it, and the host continues with the next, doubled
+    # window. None: the whole cache.
+    kv_window: int | None = None
 
 
 @struct.dataclass
@@ -115,6 +120,23 @@ def with_sched_state(st: GenState, num_draft: int) -> GenState:
                       steps=z(), drafted_steps=z(), budget_sum=z(), bucket_sum=z())
 
 
+def window_fits(st: GenState, settings: LoopSettings):
+    """Whether the next cycle's queries (positions seq_len .. seq_len + K of every active
+    slot) all lie inside the attention window. The last window is the whole cache, which
+    generate() sizes for the longest request, so it always fits."""
+    if settings.kv_window is None:
+        return jnp.bool_(True)
+    return jnp.all(st.done | (st.seq_len + settings.num_draft + 1 <= settings.kv_window))
+
+
+def window_cache(dcache, kv_window: int | None):
+    """The drafter's context cache cut to the attention window (a KVCache [L, S, T, ...]
+    only; other drafter caches are passed whole)."""
+    if kv_window is None or not isinstance(dcache, KVCache) or kv_window >= dcache.k.shape[2]:
+        return dcache
+    return KVCache(dcache.k[:, :, :kv_window], dcache.v[:, :, :kv_window])
+
+
 def _fold(keys, data):
     return jax.vmap(jax.random.fold_in)(keys, data)
 
@@ -134,10 +156,10 @@ def _chunk_take(remaining_S, budget: int):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("tgraph", "drafter", "q_max", "chunk"), donate_argnames=("st",)
+    jax.jit, static_argnames=("tgraph", "drafter", "q_max", "chunk", "kv_window"), donate_argnames=("st",)
 )
 def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa: SamplingArrays, *, q_max,
-            chunk=None):
+            chunk=None, kv_window=None):
     """Runs the prompts (slot-major in `tokens_N`) and samples each request's first token.
 
     The prompts go through the packed step `chunk` tokens at a time (a `lax.while_loop`, so
@@ -145,7 +167,8 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
     scores are [S, H, min(q_max, chunk), T] instead of [S, H, prompt, T], which keeps memory
     bounded for long prompts. Each chunk continues every unfinished slot where the previous
     one stopped (starts > 0), slot-major, so a chunk may hold the end of one prompt and the
-    start of the next. `chunk=None`: the whole packed buffer in one step.
+    start of the next. `chunk=None`: the whole packed buffer in one step. `kv_window`
+    (≥ the longest prompt): attention reads only that many cache positions.
     """
     target = nnx.merge(tgraph, tstate)
     S = lens_S.shape[0]
@@ -163,7 +186,7 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
         toks = jnp.where(lay.valid_N, tokens_N[src], 0)
         idx = jnp.maximum(jnp.cumsum(take_S) - 1, 0)  # each slot's last token in this chunk
         logits, feats, cache = target(cache, toks, done_S, take_S, q_max=qc, logits_idx=idx,
-                                      feature_layers=feature_layers)
+                                      feature_layers=feature_layers, kv_window=kv_window)
         if drafter is not None:
             dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N)
         finished = (take_S > 0) & (done_S + take_S == lens_S)
@@ -191,7 +214,7 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
 
 
 def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok, d_logits,
-                  nv, active, *, num_tokens: int, q_max: int):
+                  nv, active, *, num_tokens: int, q_max: int, kv_window: int | None = None):
     """One packed target step at a static bucket of `num_tokens` tokens, then verification and
     the drafter's context append. → (accepted [S], emitted [S, K+1], cache, dcache).
 
@@ -206,7 +229,7 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
     tokens_N = grid_tok[lay.slot_N, jnp.clip(lay.j_N, 0, q_max - 1)]
     feature_layers = drafter.feature_layers if drafter is not None else ()
     logits_N, feats, cache = target(cache, tokens_N, seq_len_S, counts, q_max=q_max,
-                                    feature_layers=feature_layers)
+                                    feature_layers=feature_layers, kv_window=kv_window)
     # Back to the [S, Q] grid (empty cells read a clamped row; they are never used).
     tgt_logits = logits_N[jnp.minimum(lay.grid_idx_SQ, num_tokens - 1)]
     accepted, emitted = verify(kv, d_tok[:, : q_max - 1], d_logits[:, : q_max - 1], tgt_logits,
@@ -232,21 +255,28 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
     caps = jnp.where(active, jnp.clip(jnp.minimum(K, remaining - 1), 0, K), 0)
     V = target.cfg.vocab_size
 
+    # Greedy verification reads no draft distributions: an empty [S, K, 0] stands in for
+    # them, so the drafter's scatter into the full vocabulary is dead code XLA removes.
+    Vq = 0 if sa.all_greedy else V
+
     def draft():
-        tok, logits, conf = drafter.draft(dparams, st.dcache, target, st.anchor, st.seq_len, kd, sa)
-        return tok[:, :K], logits[:, :K].astype(jnp.float32), conf[:, :K].astype(jnp.float32)
+        tok, logits, conf = drafter.draft(dparams, window_cache(st.dcache, settings.kv_window), target, st.anchor,
+                                          st.seq_len, kd, sa)
+        logits = jnp.zeros((S, K, 0), jnp.float32) if sa.all_greedy else logits[:, :K].astype(jnp.float32)
+        return tok[:, :K], logits, conf[:, :K].astype(jnp.float32)
 
     def no_draft():
-        return (jnp.zeros((S, K), jnp.int32), jnp.zeros((S, K, V), jnp.float32),
+        return (jnp.zeros((S, K), jnp.int32), jnp.zeros((S, K, Vq), jnp.float32),
                 jnp.zeros((S, K), jnp.float32))
 
     policy = settings.policy
+    W = settings.kv_window
     drafted = jnp.bool_(K > 0)
     if K == 0 or policy == "fixed":
         d_tok, d_logits, conf = draft() if K > 0 else no_draft()
         nv = caps
         sizes = (S * (K + 1),)
-        branches = [functools.partial(verify_bucket, num_tokens=S * (K + 1), q_max=K + 1)]
+        branches = [functools.partial(verify_bucket, num_tokens=S * (K + 1), q_max=K + 1, kv_window=W)]
         idx = jnp.int32(0)
     else:
         buckets = settings.buckets
@@ -273,8 +303,8 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
         nv = jnp.where(drafted, nv, 0)
         # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.
         sizes = (S, *buckets)
-        branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1)] + [
-            functools.partial(verify_bucket, num_tokens=n, q_max=K + 1) for n in buckets]
+        branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1, kv_window=W)] + [
+            functools.partial(verify_bucket, num_tokens=n, q_max=K + 1, kv_window=W) for n in buckets]
         idx = jnp.where(drafted, 1 + jnp.clip(u, 0, len(buckets) - 1), 0).astype(jnp.int32)
 
     def run(i):
@@ -335,7 +365,7 @@ def decode_loop(tgraph, tstate, drafter, dparams, st: GenState, sa: SamplingArra
 
     def cond(c):
         i, s = c
-        return (i < max_cycles) & ~jnp.all(s.done)
+        return (i < max_cycles) & ~jnp.all(s.done) & window_fits(s, settings)
 
     def body(c):
         i, s = c

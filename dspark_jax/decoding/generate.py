@@ -49,6 +49,24 @@ def next_pow2(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+MIN_WINDOW = 256  # smallest attention window (cache-length bucket); windows double up to the cache
+
+
+def attention_windows(cache_len: int, minimum: int = MIN_WINDOW) -> list[int]:
+    """The attention windows below the cache length, doubling from `minimum`; the whole cache
+    (None) follows the last one. At most log2(cache_len / minimum) + 1 compiled loops."""
+    out, w = [], minimum
+    while w < cache_len:
+        out.append(w)
+        w *= 2
+    return out
+
+
+def pick_window(windows: list[int], need: int) -> int | None:
+    """The smallest window holding `need` positions (None: the whole cache)."""
+    return next((w for w in windows if need <= w), None)
+
+
 def encode_prompt(target: Target, prompt) -> list[int]:
     """A prompt is a string (as is), a list of chat messages (chat template), or token ids."""
     tok = target.tokenizer
@@ -103,6 +121,7 @@ def generate(
     threshold: float = 0.5,
     step_rates=None,
     reprofile: bool = False,
+    windowed_attention: bool = True,
 ) -> GenerationOutput:
     """Generates continuations of a batch of prompts; lossless with or without a drafter.
 
@@ -118,6 +137,11 @@ def generate(
     prefill_chunk: prompt tokens per prefill step (a static size). Prefill memory grows with
     chunk × cache length rather than prompt × cache length; 512 keeps a SmolLM2 prompt at its
     full 8k context well inside a few GB.
+
+    windowed_attention: attention (target and drafter) reads only a window of the cache that
+    covers every active request's context — 256 positions, doubled as contexts grow — so a
+    step costs what the used context costs, not the allocated cache; each window compiles
+    once (at most log2(cache / 256) + 1 decode loops). False: always the whole cache.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -217,17 +241,26 @@ def generate(
                                                   step_rates, reprofile)
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
+    windows = attention_windows(T) if windowed_attention else []
     st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens),
-                 jnp.asarray(lens), sa, q_max=q_prefill, chunk=chunk)
+                 jnp.asarray(lens), sa, q_max=q_prefill, chunk=chunk,
+                 kv_window=pick_window(windows, int(lens.max())))
     jax.block_until_ready(st.n_out)
     t1 = time.perf_counter()
     use_host_stops = any(sp.stop for sp in params)
     cut: dict[int, tuple[list[int], str]] = {}
+    used_windows = []
+    done = np.array(st.done)
     while True:
-        # Without stop strings one call runs to the end; with them, chunks let the host stop early.
+        # Without stop strings one call runs to the end (or to the end of its attention
+        # window); with them, chunks let the host stop early.
         max_cycles = chunk_cycles if use_host_stops else max_new + 1
+        seq_len = np.asarray(st.seq_len)
+        window = pick_window(windows, int(seq_len[~done].max(initial=0)) + K + 1)
+        if window not in used_windows:
+            used_windows.append(window)
         st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,
-                         jnp.int32(max_cycles), sched, settings=settings)
+                         jnp.int32(max_cycles), sched, settings=dataclasses.replace(settings, kv_window=window))
         done = np.array(st.done)  # a writable copy: np.asarray of a jax.Array is read-only
         if use_host_stops:
             out, n_out = np.asarray(st.out), np.asarray(st.n_out)
@@ -272,7 +305,7 @@ def generate(
         "cycles": cycles.tolist(),
         "seeds": seeds[:B],  # what each request ran with (drawn fresh where seed=None): rerun with these
         "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill,
-                    "prefill_chunk": chunk},
+                    "prefill_chunk": chunk, "attention_windows": [w or T for w in used_windows]},
     }
     if drafter is not None:
         reached = np.asarray(st.reached)[:B].sum(0)

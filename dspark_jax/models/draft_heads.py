@@ -92,7 +92,7 @@ def sts_confidence(conf_logit, sts_temperatures):
 
 def sample_block(head: SequentialHead, conf: ConfidenceHead | None, U_SGV, h_SGD, anchor_S, keys_S,
                  sa: SamplingArrays, *, draft_ids=None, vocab_size: int | None = None, topk: int = 0,
-                 use_scan: bool = True):
+                 use_scan: bool = True, with_logits: bool = True):
     """Samples x_1..x_γ left to right from p_k = transform(U_k + B_k(x0, x<k)).
 
     U_SGV holds the parallel logits over the proposal vocabulary V′: all V tokens, or the
@@ -102,48 +102,52 @@ def sample_block(head: SequentialHead, conf: ConfidenceHead | None, U_SGV, h_SGD
     token was drawn from — -inf outside what could be proposed —, raw confidence logits
     [S, G], zeros without a confidence head). Position k uses the key fold_in(keys_S, k), so
     scan and loop draw identical tokens.
+
+    Cost: the parallel logits do not depend on the drafted tokens, so their top-k and the
+    W2 columns it selects are taken once for the whole block before the scan; the scan's
+    step then works on [S, k] (or [S, V′]) only, and the scatter into the full vocabulary
+    happens once after it. `with_logits=False` returns None for the logits and skips that
+    scatter (greedy verification never reads them).
     """
     S, G, Vp = U_SGV.shape
     V = vocab_size or Vp
     truncate = 0 < topk < Vp
+    biased = head.kind != "none"
+    U_SGV = U_SGV.astype(jnp.float32)
 
     def to_vocab(idx):  # proposal index → target token id
         return idx if draft_ids is None else draft_ids[idx]
 
+    if truncate:
+        base_SGW, cand_SGW = jax.lax.top_k(U_SGV, topk)  # W = k candidates per position
+        # Their W2 columns, gathered once: [G, S, R, k] (nothing when there is no bias).
+        w2_xs = jnp.moveaxis(jnp.take(head.w2[...], cand_SGW, axis=1), (2, 1), (0, 1)) if biased \
+            else jnp.zeros((G,), jnp.float32)
+    else:
+        base_SGW, cand_SGW = U_SGV, None
+        w2_xs = jnp.zeros((G,), jnp.float32)
+
     def step(carry, xs):
         prev, state = carry
-        U_k, h_k, k = xs
+        b_k, h_k, w2_k, cand_k, k = xs
         state, lat, emb = head.latent(state, prev, h_k)
-        if truncate:
-            vals, cand = jax.lax.top_k(U_k.astype(jnp.float32), topk)  # [S, k]
-            if head.kind == "none":
-                logits = vals
-            else:
-                w2 = jnp.take(head.w2[...], cand, axis=1)  # [R, S, k]
-                logits = vals + jnp.einsum("sr,rsk->sk", lat, w2, preferred_element_type=jnp.float32)
-        else:
-            cand = None
-            logits = U_k.astype(jnp.float32)
-            if head.kind != "none":
-                logits = logits + jnp.einsum("sr,rv->sv", lat, head.w2[...], preferred_element_type=jnp.float32)
+        logits = b_k
+        if biased and truncate:
+            logits = logits + jnp.einsum("sr,srk->sk", lat, w2_k, preferred_element_type=jnp.float32)
+        elif biased:
+            logits = logits + jnp.einsum("sr,rv->sv", lat, head.w2[...], preferred_element_type=jnp.float32)
         t = transform_logits(logits, sa)
         j = sample_or_argmax(jax.vmap(jax.random.fold_in, (0, None))(keys_S, k), logits, t, sa.greedy,
                              sa.all_greedy)
         if truncate:
-            j = jnp.take_along_axis(cand, j[:, None], 1)[:, 0]
+            j = jnp.take_along_axis(cand_k, j[:, None], 1)[:, 0]
         tok = to_vocab(j).astype(jnp.int32)
-        # Scatter into the full vocabulary: q = 0 (-inf) wherever the drafter cannot propose.
-        if truncate:
-            cols = to_vocab(cand)
-        else:
-            cols = None if draft_ids is None else jnp.broadcast_to(draft_ids, (S, Vp))
-        if cols is not None:
-            t = jnp.full((S, V), -jnp.inf, jnp.float32).at[jnp.arange(S)[:, None], cols].set(t)
         c = conf.logit(h_k, emb) if conf is not None else jnp.zeros((S,), jnp.float32)
         return (tok, state), (tok, t, c)
 
     carry = (anchor_S.astype(jnp.int32), head.init_state((S,)))
-    xs = (jnp.swapaxes(U_SGV, 0, 1), jnp.swapaxes(h_SGD, 0, 1), jnp.arange(G))
+    cand_xs = jnp.swapaxes(cand_SGW, 0, 1) if truncate else jnp.zeros((G,), jnp.int32)
+    xs = (jnp.swapaxes(base_SGW, 0, 1), jnp.swapaxes(h_SGD, 0, 1), w2_xs, cand_xs, jnp.arange(G))
     if use_scan:
         _, (toks, ts, cs) = jax.lax.scan(step, carry, xs)
     else:
@@ -152,7 +156,18 @@ def sample_block(head: SequentialHead, conf: ConfidenceHead | None, U_SGV, h_SGD
             carry, o = step(carry, jax.tree.map(lambda a, k=k: a[k], xs))
             outs.append(o)
         toks, ts, cs = (jnp.stack(z) for z in zip(*outs))
-    return jnp.swapaxes(toks, 0, 1), jnp.swapaxes(ts, 0, 1), jnp.swapaxes(cs, 0, 1)
+    toks, ts, cs = jnp.swapaxes(toks, 0, 1), jnp.swapaxes(ts, 0, 1), jnp.swapaxes(cs, 0, 1)
+    if not with_logits:
+        return toks, None, cs
+    # Scatter into the full vocabulary: q = 0 (-inf) wherever the drafter cannot propose.
+    if truncate:
+        cols = to_vocab(cand_SGW)
+    else:
+        cols = None if draft_ids is None else jnp.broadcast_to(draft_ids, (S, G, Vp))
+    if cols is not None:
+        ts = jnp.full((S, G, V), -jnp.inf, jnp.float32).at[
+            jnp.arange(S)[:, None, None], jnp.arange(G)[None, :, None], cols].set(ts)
+    return toks, ts, cs
 
 
 def teacher_forced(head: SequentialHead, conf: ConfidenceHead | None, U_SGV, h_SGD, prev_SG):

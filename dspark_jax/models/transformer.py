@@ -140,17 +140,21 @@ class Transformer(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, self.lm_head_matrix(), preferred_element_type=jnp.float32)
 
     def __call__(self, cache: KVCache, tokens_N, starts_S, counts_S, *, q_max: int,
-                 logits_idx=None, feature_layers: tuple[int, ...] = ()):
+                 logits_idx=None, feature_layers: tuple[int, ...] = (), kv_window: int | None = None):
         """Packed step. Returns (logits [M, V] fp32, features [N, n·D] or None, new cache).
 
         `logits_idx` [M] selects which packed tokens get logits (None = all N); prefill
         asks only for each slot's last token, which saves the [N, V] projection.
+        `kv_window` (static, ≤ T): attention reads only the first `kv_window` cache positions,
+        so a step costs what the used context costs, not the allocated cache. The caller
+        guarantees every query position of the step lies below it.
         """
         cfg = self.cfg
         N = tokens_N.shape[0]
         T = cache.length
+        W = T if kv_window is None else min(int(kv_window), T)
         lay = packed_layout(starts_S, counts_S, N, q_max)
-        mask = (jnp.arange(T)[None, None, :] <= lay.grid_pos_SQ[..., None]) & lay.grid_valid_SQ[..., None]
+        mask = (jnp.arange(W)[None, None, :] <= lay.grid_pos_SQ[..., None]) & lay.grid_valid_SQ[..., None]
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         x = self.embed(tokens_N)
         taps = {-1: x} if -1 in feature_layers else {}
@@ -164,7 +168,7 @@ class Transformer(nnx.Module):
                 q, k, v = layer.qkv(x, lay, inv_freq)
                 k_l = k_l.at[ws, wp].set(k.astype(k_l.dtype), mode="drop")
                 v_l = v_l.at[ws, wp].set(v.astype(v_l.dtype), mode="drop")
-                x = layer.finish(x, q, k_l, v_l, lay, mask)
+                x = layer.finish(x, q, k_l[:, :W], v_l[:, :W], lay, mask)
                 return x, (k_l, v_l, x)
 
             x, (ks, vs, hs) = jax.lax.scan(body, x, (lstate, cache.k, cache.v))
@@ -178,7 +182,7 @@ class Transformer(nnx.Module):
                 # writing it back makes XLA copy the whole cache once per layer.
                 ks = ks.at[i, ws, wp].set(k.astype(ks.dtype), mode="drop")
                 vs = vs.at[i, ws, wp].set(v.astype(vs.dtype), mode="drop")
-                x = layer.finish(x, q, ks[i], vs[i], lay, mask)
+                x = layer.finish(x, q, ks[i, :, :W], vs[i, :, :W], lay, mask)
                 if i in feature_layers:
                     taps[i] = x
             cache = KVCache(ks, vs)
