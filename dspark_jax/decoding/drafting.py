@@ -168,16 +168,20 @@ class OracleDrafter:
         return (jnp.asarray(self.continuations), jnp.asarray(self.prompt_lens))
 
     def init_cache(self, params, num_slots, length):
-        return jnp.zeros((num_slots,), jnp.int32)  # stateless
+        # The only state: which continuation each slot drafts from (its request), so that
+        # slots can be compacted (`take_slots`) when requests finish.
+        return jnp.arange(num_slots, dtype=jnp.int32)
+
+    def take_slots(self, cache, idx):
+        return cache[idx]
 
     def append(self, params, cache, target, feats, slot, pos, valid):
         return cache
 
     def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa):
         conts, plen = params
-        S = anchor_S.shape[0]
-        G = self.block_size
-        rows = jnp.arange(S)[:, None] % conts.shape[0]
+        S, G = anchor_S.shape[0], self.block_size
+        rows = cache[:, None] % conts.shape[0]
         # Token at absolute position anchor_pos + 1 + k is continuation index anchor_pos + 1 + k − prompt_len.
         idx = anchor_pos_S[:, None] + 1 + jnp.arange(G) - plen[rows[:, 0]][:, None]
         tok = conts[rows, jnp.clip(idx, 0, conts.shape[1] - 1)]

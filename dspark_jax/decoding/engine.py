@@ -64,6 +64,12 @@ class LoopSettings:
     # before a cycle could reach past it, and the host continues with the next, doubled
     # window. None: the whole cache.
     kv_window: int | None = None
+    # Slot compaction: the loop also stops when at most `compact_at` slots are still active
+    # and one of them has at least `compact_min_tokens` tokens to go; the host then gathers the
+    # active slots into a smaller slot bucket (`take_slots`), so finished requests stop costing
+    # anything. 0: never.
+    compact_at: int = 0
+    compact_min_tokens: int = 32
 
 
 @struct.dataclass
@@ -127,6 +133,42 @@ def window_fits(st: GenState, settings: LoopSettings):
     if settings.kv_window is None:
         return jnp.bool_(True)
     return jnp.all(st.done | (st.seq_len + settings.num_draft + 1 <= settings.kv_window))
+
+
+def should_compact(st: GenState, settings: LoopSettings):
+    """Few enough active slots, with enough left to decode, to pay for a smaller slot bucket."""
+    if not settings.compact_at:
+        return jnp.bool_(False)
+    active = ~st.done
+    left = jnp.max(jnp.where(active, st.max_new - st.n_out, 0))
+    return (jnp.sum(active) <= settings.compact_at) & (left >= settings.compact_min_tokens)
+
+
+PER_SLOT = ("seq_len", "anchor", "out", "n_out", "done", "max_new", "keys", "stop_ids", "cycles", "tau_sum",
+            "reached", "accepted_at", "verified", "prev_conf", "acc_w", "reach_w")
+
+
+def can_take_slots(drafter, dcache) -> bool:
+    """Whether the drafter's context cache can follow its slots into a smaller bucket."""
+    return dcache is None or isinstance(dcache, KVCache) or hasattr(drafter, "take_slots")
+
+
+@functools.partial(jax.jit, static_argnames=("drafter",))
+def take_slots(st: GenState, sa: SamplingArrays, idx, drafter=None):
+    """The state of slots `idx` (in that order) as a smaller slot bucket: every per-slot field,
+    the target's cache and the drafter's context cache (a KVCache, or the drafter's own
+    `take_slots`), and the sampling rows. Loop-wide counters carry over."""
+    fields = {f: getattr(st, f)[idx] for f in PER_SLOT if getattr(st, f) is not None}
+    cache = KVCache(st.cache.k[:, idx], st.cache.v[:, idx])
+    if st.dcache is None:
+        dcache = None
+    elif isinstance(st.dcache, KVCache):
+        dcache = KVCache(st.dcache.k[:, idx], st.dcache.v[:, idx])
+    else:
+        dcache = drafter.take_slots(st.dcache, idx)
+    sa = sa.replace(temperature=sa.temperature[idx], top_k=sa.top_k[idx], top_p=sa.top_p[idx],
+                    min_p=sa.min_p[idx])
+    return st.replace(cache=cache, dcache=dcache, **fields), sa
 
 
 def window_cache(dcache, kv_window: int | None):
@@ -365,7 +407,7 @@ def decode_loop(tgraph, tstate, drafter, dparams, st: GenState, sa: SamplingArra
 
     def cond(c):
         i, s = c
-        return (i < max_cycles) & ~jnp.all(s.done) & window_fits(s, settings)
+        return (i < max_cycles) & ~jnp.all(s.done) & window_fits(s, settings) & ~should_compact(s, settings)
 
     def body(c):
         i, s = c

@@ -22,8 +22,11 @@ from dspark_jax.decoding.engine import (
     GenState,
     LoopSettings,
     SchedArrays,
+    can_take_slots,
     decode_loop,
     prefill,
+    should_compact,
+    take_slots,
     with_sched_state,
 )
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
@@ -122,6 +125,7 @@ def generate(
     step_rates=None,
     reprofile: bool = False,
     windowed_attention: bool = True,
+    compact_slots: bool = True,
 ) -> GenerationOutput:
     """Generates continuations of a batch of prompts; lossless with or without a drafter.
 
@@ -142,6 +146,12 @@ def generate(
     covers every active request's context — 256 positions, doubled as contexts grow — so a
     step costs what the used context costs, not the allocated cache; each window compiles
     once (at most log2(cache / 256) + 1 decode loops). False: always the whole cache.
+
+    compact_slots: with fixed-length or autoregressive decoding, once at most half of the
+    slots are still active (and one has ≥ 32 tokens to go), the active ones move into the
+    next smaller slot bucket (a power of two), so finished requests cost nothing. Each slot
+    bucket compiles once. The confidence schedulers keep their slots (their step-rate table
+    is profiled per slot count).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -249,49 +259,72 @@ def generate(
     t1 = time.perf_counter()
     use_host_stops = any(sp.stop for sp in params)
     cut: dict[int, tuple[list[int], str]] = {}
-    used_windows = []
+    used_windows, used_slots = [], [S]
+    # Slot compaction (fixed-length and autoregressive decoding): when at most half the slots
+    # are still active, they move into the next smaller slot bucket, so finished requests
+    # stop costing drafting, target and verification work.
+    compact = (compact_slots and settings.policy == "fixed" and S > 1
+               and can_take_slots(drafter, st.dcache))
+    rows = np.where(np.arange(S) < B, np.arange(S), -1)  # request of each slot (-1: padding)
+    final: dict[int, dict[str, np.ndarray]] = {}  # per-request results of slots compacted away
     done = np.array(st.done)
     while True:
         # Without stop strings one call runs to the end (or to the end of its attention
-        # window); with them, chunks let the host stop early.
+        # window, or until the slots compact); with them, chunks let the host stop early.
         max_cycles = chunk_cycles if use_host_stops else max_new + 1
         seq_len = np.asarray(st.seq_len)
         window = pick_window(windows, int(seq_len[~done].max(initial=0)) + K + 1)
         if window not in used_windows:
             used_windows.append(window)
+        n_slots = len(rows)
+        loop = dataclasses.replace(settings, kv_window=window, compact_at=n_slots // 2 if compact else 0)
         st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,
-                         jnp.int32(max_cycles), sched, settings=dataclasses.replace(settings, kv_window=window))
+                         jnp.int32(max_cycles), sched, settings=loop)
         done = np.array(st.done)  # a writable copy: np.asarray of a jax.Array is read-only
         if use_host_stops:
             out, n_out = np.asarray(st.out), np.asarray(st.n_out)
             newly = []
-            for i in range(B):
-                if i not in cut and params[i].stop:
-                    c = stop_string_cut(target.tokenizer.decode, out[i, : n_out[i]].tolist(), params[i].stop)
+            for r, i in enumerate(rows):
+                if i >= 0 and i not in cut and params[i].stop:
+                    c = stop_string_cut(target.tokenizer.decode, out[r, : n_out[r]].tolist(), params[i].stop)
                     if c is not None:
                         cut[i] = c
-                        newly.append(i)
+                        newly.append(r)
             if newly:
                 done[newly] = True
                 st = st.replace(done=jnp.asarray(done))
         if done.all():
             break
+        if loop.compact_at and bool(should_compact(st, loop)):
+            keep = np.flatnonzero(~done)
+            n_new = next_pow2(len(keep))
+            pad = np.flatnonzero(done)[: n_new - len(keep)]  # finished slots as padding
+            _save_rows(final, st, rows, np.flatnonzero(done))
+            idx = np.concatenate([keep, pad])
+            st, sa = take_slots(st, sa, jnp.asarray(idx, jnp.int32), drafter=drafter)
+            rows = np.concatenate([rows[keep], np.full(len(pad), -1)])
+            done = np.array(st.done)
+            used_slots.append(n_new)
     t2 = time.perf_counter()
+    _save_rows(final, st, rows, np.arange(len(rows)))
 
-    out, n_out = np.asarray(st.out), np.asarray(st.n_out)
     token_ids, texts = [], []
     for i in range(B):
         if i in cut:
             token_ids.append(cut[i][0])
             texts.append(cut[i][1])
             continue
-        t = out[i, : n_out[i]].tolist()
+        t = final[i]["out"][: final[i]["n_out"]].tolist()
         token_ids.append(t)
         texts.append(target.tokenizer.decode(t) if target.tokenizer is not None else "")
     n_tok = int(sum(len(t) for t in token_ids))
     c1, cs1 = compile_stats.snapshot()
     compile_s = cs1 - cs0
-    cycles = np.asarray(st.cycles)[:B]
+
+    def per_request(name):
+        return np.stack([final[i][name] for i in range(B)])
+
+    cycles = per_request("cycles")
     stats = {
         "policy": "ar" if drafter is None else policy,
         "num_draft": K,
@@ -305,14 +338,15 @@ def generate(
         "cycles": cycles.tolist(),
         "seeds": seeds[:B],  # what each request ran with (drawn fresh where seed=None): rerun with these
         "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill,
-                    "prefill_chunk": chunk, "attention_windows": [w or T for w in used_windows]},
+                    "prefill_chunk": chunk, "attention_windows": [w or T for w in used_windows],
+                    "slot_buckets": used_slots},
     }
     if drafter is not None:
-        reached = np.asarray(st.reached)[:B].sum(0)
-        acc = np.asarray(st.accepted_at)[:B].sum(0)
-        stats["tau"] = float(np.asarray(st.tau_sum)[:B].sum() / max(cycles.sum(), 1))
+        reached = per_request("reached").sum(0)
+        acc = per_request("accepted_at").sum(0)
+        stats["tau"] = float(per_request("tau_sum").sum() / max(cycles.sum(), 1))
         stats["acceptance_per_position"] = (acc / np.maximum(reached, 1)).tolist()
-        verified = np.asarray(st.verified)[:B]
+        verified = per_request("verified")
         steps = max(int(st.steps), 1)
         stats["verified_per_request"] = verified.tolist()  # Σ ℓ_r: drafts sent to the target
         stats["mean_verified"] = (verified / np.maximum(cycles, 1)).tolist()  # per cycle
@@ -324,6 +358,19 @@ def generate(
         if settings.policy != "fixed":
             stats["scheduler"] = settings.policy if isinstance(settings.policy, str) else "custom"
     return GenerationOutput(texts, token_ids, stats)
+
+
+_SAVED = ("out", "n_out", "cycles", "tau_sum", "reached", "accepted_at", "verified")
+
+
+def _save_rows(final: dict, st: GenState, rows: np.ndarray, which) -> None:
+    """Copies the results of slots `which` into `final[request]` (padding slots are skipped)."""
+    which = [r for r in which if rows[r] >= 0 and rows[r] not in final]
+    if not which:
+        return
+    host = {f: np.asarray(getattr(st, f)) for f in _SAVED}
+    for r in which:
+        final[int(rows[r])] = {f: host[f][r] for f in _SAVED}
 
 
 def _loop_settings(target, drafter, policy, scheduler, K, S, T, threshold, step_rates, reprofile):
