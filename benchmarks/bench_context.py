@@ -152,7 +152,7 @@ def compaction_table(target, repeats):
             outs[compact] = ds.generate(target, ps, sampling=sp, compact_slots=compact)
         return run
 
-    configs = {"slot compaction (8 → 4 → 2 → 1 slots)": gen(True), "no compaction (8 slots)": gen(False)}
+    configs = {"slot compaction": gen(True), "no compaction": gen(False)}
     times = interleaved(configs, repeats=repeats)
     same = outs[True].token_ids == outs[False].token_ids
     rows = []

@@ -30,7 +30,7 @@ def _chat(p):
     return [{"role": "user", "content": p}]
 
 
-def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0)) -> str:
+def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0), batch: int = 10) -> str:
     rows = []
     for name in DATASETS:
         prompts = [_chat(p) for p in eval_prompts(name, n_prompts)]
@@ -38,13 +38,22 @@ def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 
             row = [name, temp]
             for d in drafters.values():
                 sp = ds.SamplingParams(temperature=temp, max_new_tokens=max_new, seed=0)
-                out = ds.generate(target, prompts, drafter=d, sampling=sp, policy="fixed")
-                row.append(out.stats["tau"])
+                # τ over all prompts = Σ tokens per cycle / Σ cycles, over batches of `batch`.
+                emitted = cycles = 0
+                for i in range(0, len(prompts), batch):
+                    out = ds.generate(target, prompts[i: i + batch], drafter=d, sampling=sp, policy="fixed")
+                    n = sum(out.stats["cycles"])
+                    emitted, cycles = emitted + out.stats["tau"] * n, cycles + n
+                row.append(emitted / max(cycles, 1))
             rows.append(row)
     hdr = ["dataset", "temperature"] + [f"τ {k}" for k in drafters]
-    if len(drafters) == 2:
-        hdr.append("ratio")
-        rows = [r + [r[2] / r[3]] for r in rows]
+    names = list(drafters)
+    if "DFlash" in drafters:  # every DSpark column against the DFlash baseline
+        j = 2 + names.index("DFlash")
+        for i, k in enumerate(names):
+            if k != "DFlash":
+                hdr.append(f"{k} / DFlash")
+                rows = [r + [r[2 + i] / r[j]] for r in rows]
     return table(hdr, rows)
 
 
@@ -90,16 +99,24 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-tau", action="store_true")
+    ap.add_argument("--batch", type=int, default=10, help="prompts decoded together in the τ table")
+    ap.add_argument("--topk-variant", type=int, default=0,
+                    help="also the DSpark drafter with this top-k sequential bias (τ column)")
+    ap.add_argument("--scan-layers", action="store_true", help="target layers under lax.scan (faster compile)")
     args = ap.parse_args(argv)
-    target = ds.load_target(args.target)
+    target = ds.load_target(args.target, scan_layers=args.scan_layers)
     drafters = {"DSpark": ds.load_drafter(args.drafter, target)}
+    if args.topk_variant:
+        d = drafters["DSpark"]
+        drafters[f"DSpark top-k {args.topk_variant}"] = ds.Drafter(
+            d.cfg.replace(draft_topk=args.topk_variant), d.graphdef, d.state)
     if args.baseline:
         drafters["DFlash"] = ds.load_drafter(args.baseline, target)
     print(f"# {hardware()}; {machine_load()} at start")
     if not args.skip_tau:
         print(f"\n## τ ({args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, γ = "
-              f"{drafters['DSpark'].block_size}, batch {args.prompts})\n")
-        print(tau_table(target, drafters, args.prompts, args.max_new_tokens), flush=True)
+              f"{drafters['DSpark'].block_size}, batches of {args.batch})\n")
+        print(tau_table(target, drafters, args.prompts, args.max_new_tokens, batch=args.batch), flush=True)
     if not args.skip_speed:
         print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved)\n")
         print(speed_table(target, drafters["DSpark"], args.speed_prompts, args.max_new_tokens))

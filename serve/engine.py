@@ -14,6 +14,11 @@ or cancelled requests, freeing their slots.
 Static shapes, so steady-state serving compiles nothing: S slots, cache length T, output
 buffer O, an admission buffer of P packed prompt tokens; every sampling filter is compiled
 in, so any mix of temperature / top-k / top-p / min-p reuses the same programs.
+Beyond one chip: `Engine(..., mesh=make_mesh(data=…, tensor=…))` places the target's and
+the drafter's parameters by the serving rules (`dspark_jax.sharding.SERVING_RULES`: weights
+split over the tensor axis, replicated over data) and the KV caches over their KV heads, and
+the same jitted programs run sharded (XLA inserts the collectives).
+
 Letter legend: S slots, P admission tokens, T cache length, O output buffer, M stop ids.
 """
 
@@ -108,6 +113,27 @@ def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, le
     )
 
 
+def place_on_mesh(target, drafter, mesh):
+    """(target, drafter) with parameters placed on `mesh` by the serving rules."""
+    from dspark_jax.decoding.drafting import Drafter
+    from dspark_jax.sharding import SERVING_RULES, shard_state
+
+    target = dataclasses.replace(target, state=shard_state(target.state, mesh, SERVING_RULES))
+    if isinstance(drafter, Drafter):
+        drafter = Drafter(drafter.cfg, drafter.graphdef, shard_state(drafter.state, mesh, SERVING_RULES)).bind(target)
+    return target, drafter
+
+
+def _shard_cache(cache: KVCache, mesh) -> KVCache:
+    """KV cache [L, S, T, K, E]: KV heads over the tensor axis (when they divide), the rest replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    heads = cache.k.shape[3]
+    spec = PartitionSpec(None, None, None, "tensor" if heads % mesh.shape["tensor"] == 0 else None, None)
+    sh = NamedSharding(mesh, spec)
+    return KVCache(jax.device_put(cache.k, sh), jax.device_put(cache.v, sh))
+
+
 class Engine:
     """Continuous batching over `slots` request slots with policy "ar", "fixed", "dspark"
     (async or sync scheduler) or "threshold", as in `generate()`."""
@@ -115,7 +141,7 @@ class Engine:
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 1024, max_new_tokens: int = 256,
                  prefill_tokens: int = 256, policy: str | None = None, scheduler="async", threshold: float = 0.5,
                  num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4,
-                 windowed_attention: bool = True):
+                 windowed_attention: bool = True, mesh=None):
         if policy is None:
             policy = "fixed" if drafter is not None else "ar"
         if policy in ("fixed", "dspark", "threshold") and drafter is None:
@@ -128,6 +154,9 @@ class Engine:
         if drafter is not None and hasattr(drafter, "cfg"):
             drafter.cfg.check_compatible(target.cfg)
             drafter.bind(target)  # the LM head rows of its draft vocabulary
+        if mesh is not None:
+            target, drafter = place_on_mesh(target, drafter, mesh)
+        self.mesh = mesh
         self.target, self.drafter, self.K = target, drafter, K
         self.S = slots
         self.T = next_pow2(max_len, 128)
@@ -163,6 +192,9 @@ class Engine:
             reached=jnp.zeros((S, K), jnp.int32),
             accepted_at=jnp.zeros((S, K), jnp.int32),
         )
+        if mesh is not None:
+            st = st.replace(cache=_shard_cache(st.cache, mesh),
+                            dcache=_shard_cache(st.dcache, mesh) if isinstance(st.dcache, KVCache) else st.dcache)
         self.st = with_sched_state(st, K)
         self.slot_params = [SamplingParams(temperature=0.0)] * S
         self.sa = self._sampling_arrays()

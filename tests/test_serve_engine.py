@@ -1,9 +1,9 @@
 """The continuous-batching engine (`serve/engine.py`), exact checks on a tiny target.
 
-- Greedy requests arriving over time, streamed, with different prompt lengths and budgets,
-  mixed with sampled requests (top-k / top-p / min-p): every greedy output equals
-  autoregressive greedy decoding of its prompt, the streamed pieces add up to the output,
-  and a second wave with another mix of sampling parameters compiles nothing.
+- 52 requests arriving over time (39 greedy, 13 sampled with top-k / top-p / min-p /
+  temperature), streamed, with different prompt lengths and budgets: every greedy output
+  equals autoregressive greedy decoding of its prompt, the streamed pieces add up to the
+  output, and a second wave of 52 with another mix of sampling parameters compiles nothing.
 - Prompts longer than the admission buffer are prefilled in chunks over several steps.
 - A cancelled request frees its slot for the next queued one, keeps what it had streamed
   (a prefix of its greedy output), and the others are unaffected.
@@ -21,6 +21,7 @@ from dspark_jax.models.drafter_config import DrafterConfig
 from serve.engine import Engine
 
 MAX_NEW = 16
+N_GREEDY = 39  # + one sampled request after every third: 52 requests per wave
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,8 @@ def tiny():
     cfg = ds.ModelConfig.tiny(num_layers=1, tie_word_embeddings=False)
     target = sharpen(ds.Target.random(cfg, seed=0), seed=0)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 20, 12)]
-    budgets = [int(m) for m in rng.integers(1, MAX_NEW + 1, 12)]
+    prompts = [rng.integers(3, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 20, N_GREEDY)]
+    budgets = [int(m) for m in rng.integers(1, MAX_NEW + 1, N_GREEDY)]
     dcfg = DrafterConfig.for_target(cfg, num_feature_layers=1, block_size=4, num_layers=1, markov_rank=8)
     drafter = Drafter.random(dcfg, seed=1)
     ar = ds.generate(target, prompts, sampling=[greedy(m) for m in budgets]).token_ids
@@ -61,7 +62,7 @@ def test_arrivals_over_time_match_autoregressive(tiny):
         streamed.setdefault(req.id, []).extend(toks)
 
     def wave(offset):
-        """The 12 greedy requests arriving in three groups, with a sampled request between each."""
+        """The greedy requests arriving in groups of three, with a sampled request after each group."""
         reqs = []
         for i, (p, m) in enumerate(zip(tiny["prompts"], tiny["budgets"])):
             reqs.append(eng.submit(p, greedy(m), on_token=on_token))
@@ -77,9 +78,11 @@ def test_arrivals_over_time_match_autoregressive(tiny):
     assert all(streamed[r.id] == r.tokens for r in eng.finished)
     assert all(r.finish_reason == "length" for r in eng.finished)
     sampled_reqs = [r for r in eng.finished if r not in reqs]
-    assert len(sampled_reqs) == 4 and all(len(r.tokens) == MAX_NEW for r in sampled_reqs)
+    n_sampled = N_GREEDY // 3
+    assert len(sampled_reqs) == n_sampled and all(len(r.tokens) == MAX_NEW for r in sampled_reqs)
     st = eng.stats()
-    assert st["requests_finished"] == 16 and st["tokens_out"] == sum(map(len, tiny["ar"])) + 4 * MAX_NEW
+    assert st["requests_finished"] == N_GREEDY + n_sampled == 52
+    assert st["tokens_out"] == sum(map(len, tiny["ar"])) + n_sampled * MAX_NEW
     # Warm: another wave, another mix of sampling parameters — nothing compiles.
     c0, _ = compile_stats.snapshot()
     assert [r.tokens for r in wave(1)] == tiny["ar"]
