@@ -24,18 +24,10 @@ import json
 import os
 
 import dspark_jax as ds
+from benchmarks.bench_scheduler import POLICIES
 from benchmarks.common import hardware, machine_load, table
 from dspark_jax.decoding.drafting import Drafter
 from dspark_jax.decoding.generate import encode_prompt
-
-POLICIES = {
-    "fixed k=1": dict(policy="fixed", num_draft=1),
-    "fixed k=3": dict(policy="fixed", num_draft=3),
-    "fixed k=γ": dict(policy="fixed"),
-    "threshold 0.5": dict(policy="threshold", threshold=0.5),
-    "sync": dict(policy="dspark", scheduler="sync"),
-    "async": dict(policy="dspark", scheduler="async"),
-}
 
 
 def heldout_sharegpt(target, n: int, max_tokens: int) -> list[list[dict]]:
@@ -63,19 +55,21 @@ def timed(target, prompts, sp, repeats, **kw):
     return out, tps
 
 
-def plot(results: dict, path: str, gamma: int):
+def plot(results: dict, path: str, gamma: int, where: str | None = None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, cells in results.items():
-        xs = sorted(cells)
-        a.plot(xs, [cells[x]["tokens_per_s"] for x in xs], marker="o", label=name,
-               linestyle="--" if name in ("autoregressive", "async (untrained drafter)") else "-")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, cells) in enumerate(results.items()):
+        xs = sorted(cells, key=int)
+        style = dict(marker="o", label=name, color=colors[i % len(colors)],
+                     linestyle="--" if name in ("autoregressive", "async (untrained drafter)") else "-")
+        a.plot([int(x) for x in xs], [cells[x]["tokens_per_s"] for x in xs], **style)
         if name != "autoregressive":
-            b.plot(xs, [cells[x]["verified"] for x in xs], marker="o", label=name)
+            b.plot([int(x) for x in xs], [cells[x]["verified"] for x in xs], **style)
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests decoded together)")
@@ -85,7 +79,7 @@ def plot(results: dict, path: str, gamma: int):
     b.set_ylabel(f"verified drafts per request-cycle (max γ = {gamma})")
     b.set_title("Verification budget")
     a.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M + trained DSpark drafter, ShareGPT, greedy — " + hardware(), fontsize=9)
+    fig.suptitle("SmolLM2-135M + trained DSpark drafter, ShareGPT, greedy — " + (where or hardware()), fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -103,7 +97,12 @@ def main():
     ap.add_argument("--no-regret", action="store_true", help="also async with an untrained drafter")
     ap.add_argument("--plot", default="benchmarks/results/concurrency.png")
     ap.add_argument("--json", default="benchmarks/results/concurrency.json")
+    ap.add_argument("--replot", action="store_true", help="only redraw --plot from the results in --json")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.json) as f:
+            saved = json.load(f)
+        return plot(saved["results"], args.plot, 7, saved["hardware"])
     # Layers under one lax.scan: the scheduled policies compile a packed step per bucket
     # (lax.switch), which with 30 unrolled layers takes minutes per program on a CPU.
     target = ds.load_target("smollm2-135m", scan_layers=True)

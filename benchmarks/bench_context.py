@@ -27,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import dspark_jax as ds

@@ -1,11 +1,12 @@
 """Drafter cost on SmolLM2-135M (fp32): time to draft one block, next to one target decode step.
 
 For γ ∈ {7, 15}, 1 and 2 draft layers, Markov and RNN heads, at 1 and 16 requests (context
-of 256 tokens each): ms per drafted block (timed inside one jitted loop, as the engine drafts), and the sequential head's share, measured as
-the difference to the same drafter with head "none" and no confidence head (the parallel
-DFlash drafter, identical backbone). The target decode step is one packed step with one
-token per request. At each request count all configurations run round-robin for
-`--repeats` rounds; tables give median (min–max) and the machine's load average.
+of 256 tokens each): ms per drafted block (timed inside one jitted loop, as the engine
+drafts), and the sequential head's share, measured as the difference to the same drafter
+with head "none" and no confidence head (the parallel DFlash drafter, identical backbone).
+The target decode step is one packed step with one token per request. At each request
+count all configurations run round-robin for `--repeats` rounds; tables give median
+(min–max) and the machine's load average.
 
     python -m benchmarks.bench_drafter [--repeats 7] [--requests 1 16]
     python -m benchmarks.bench_drafter --levers [--repeats 7]

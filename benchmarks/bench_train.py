@@ -25,10 +25,10 @@ import time
 from benchmarks.common import machine_load, median, table
 
 CONFIGS = {
-    "online (target forward every step)": (dict(feature_cache="false"), {}),
-    "feature cache": (dict(feature_cache="true"), {}),
+    "online (target forward every step)": (dict(feature_cache="False"), {}),
+    "feature cache": (dict(feature_cache="True"), {}),
     "feature cache, 8 simulated devices (data 2 × fsdp 2 × tensor 2)": (
-        dict(feature_cache="true", mesh_data=2, mesh_fsdp=2, mesh_tensor=2),
+        dict(feature_cache="True", mesh_data=2, mesh_fsdp=2, mesh_tensor=2),
         {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}),
 }
 

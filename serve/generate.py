@@ -82,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(smollm2-135m-dspark for the default model), else autoregressive")
     ap.add_argument("--no-drafter", action="store_true",
                     help="plain autoregressive decoding (default: off)")
-    ap.add_argument("--policy", choices=("fixed", "dspark", "threshold"), default="fixed",
-                    help="verification policy with a drafter: fixed length, the confidence scheduler, or a "
-                         "static confidence threshold")
+    ap.add_argument("--policy", choices=("dspark", "fixed", "threshold"), default="dspark",
+                    help="verification policy with a drafter: the confidence scheduler (async: verifies what "
+                         "its calibrated confidences say pays, and stops drafting when nothing does), a fixed "
+                         "length, or a static confidence threshold")
     ap.add_argument("--num-draft", type=int, default=None,
                     help="drafts verified per cycle with --policy fixed, 1..γ (default: the drafter's block size γ)")
     ap.add_argument("--no-compare", action="store_true",

@@ -10,6 +10,7 @@
   previous token, so exact output distributions are computable in closed form.
 - `sharpen`: redraws a random target's weights at informative scales (clear argmax gaps,
   so greedy comparisons across differently shaped programs are not decided by fp32 noise).
+- `random_prompts`: token-id prompts of given lengths for the tiny targets.
 """
 
 from __future__ import annotations
@@ -155,3 +156,9 @@ def sharpen(target: ds.Target, seed: int = 0) -> ds.Target:
 
     target.state = randomize_state(target.state, seed)
     return target
+
+
+def random_prompts(lengths, seed=0, high=128):
+    """Prompts of the given lengths, token ids drawn from [3, high) (above the special ids)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, high, n).tolist() for n in lengths]

@@ -3,8 +3,8 @@ holds context, and the window doubles as contexts grow. The tokens must not chan
 and sampled, autoregressive and speculative — each window compiles once, and a warm call
 compiles nothing."""
 
-import numpy as np
 import pytest
+from spec_helpers import random_prompts as prompts
 
 import dspark_jax as ds
 from dspark_jax.decoding.generate import attention_windows, pick_window
@@ -19,11 +19,6 @@ def target(tiny_target):
 def drafter(target):
     cfg = ds.DrafterConfig.for_target(target.cfg, num_feature_layers=2, block_size=4, num_layers=1, markov_rank=8)
     return ds.Drafter.random(cfg, seed=4)
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 128, n).tolist() for n in lengths]
 
 
 def test_window_ladder():

@@ -1,8 +1,8 @@
 """Long prompts: cache buckets never exceed the model's context, and chunked prefill (bounded
 memory) gives the same tokens as prefilling each prompt in one step."""
 
-import numpy as np
 import pytest
+from spec_helpers import random_prompts as prompts
 
 import dspark_jax as ds
 
@@ -12,11 +12,6 @@ GREEDY = ds.SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def target(tiny_target):
     return tiny_target("qwen3", seed=5, num_layers=2, max_position_embeddings=384)
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 128, n).tolist() for n in lengths]
 
 
 def test_cache_bucket_is_capped_at_the_context(target):

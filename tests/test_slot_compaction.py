@@ -3,8 +3,8 @@ into the next smaller slot bucket, so finished requests stop costing drafting, t
 verification work. Tokens must not change (greedy and sampled: every request keeps its own
 keys), per-request statistics follow their requests, and each slot bucket compiles once."""
 
-import numpy as np
 import pytest
+from spec_helpers import random_prompts as prompts
 
 import dspark_jax as ds
 from dspark_jax.decoding.drafting import OracleDrafter
@@ -19,11 +19,6 @@ def target(tiny_target):
 def drafter(target):
     cfg = ds.DrafterConfig.for_target(target.cfg, num_feature_layers=2, block_size=4, num_layers=1, markov_rank=8)
     return ds.Drafter.random(cfg, seed=6)
-
-
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 128, n).tolist() for n in lengths]
 
 
 def sampling(temperature, lengths):

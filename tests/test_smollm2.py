@@ -121,9 +121,21 @@ def test_warm_call_batch_composition_and_stop_strings(smollm2, greedy_run):
     with_stop = ds.SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop=("never-appears", stop))
     other = [{"role": "user", "content": "Name a famous painter."}]
     batch = [CHATS[3], CHATS[2], other, CHATS[0]]
-    out = ds.generate(smollm2, batch, sampling=[GREEDY, with_stop, GREEDY, GREEDY])
-    assert out.stats["buckets"] == greedy_run.stats["buckets"]
-    assert out.stats["compiles"] == 0  # stop strings are checked on the host: same programs
+    sampling = [GREEDY, with_stop, GREEDY, GREEDY]
+    out = ds.generate(smollm2, batch, sampling=sampling)
+
+    def shape_buckets(stats):  # the call's static buckets, without the slot buckets it compacted to
+        return {k: v for k, v in stats["buckets"].items() if k != "slot_buckets"}
+
+    assert shape_buckets(out.stats) == shape_buckets(greedy_run.stats)
+    # Stop strings are checked on the host: the same programs. Requests finish at other times
+    # than in the first batch, so the slots may compact into a bucket the first call never
+    # ran; only such a bucket compiles, and once: the same call again compiles nothing.
+    new_slots = set(out.stats["buckets"]["slot_buckets"]) - set(greedy_run.stats["buckets"]["slot_buckets"])
+    assert out.stats["compiles"] == 0 or new_slots
+    if out.stats["compiles"]:
+        again = ds.generate(smollm2, batch, sampling=sampling)
+        assert again.stats["compiles"] == 0 and again.token_ids == out.token_ids
     for j, i in [(0, 3), (3, 0)]:
         assert out.token_ids[j] == greedy_run.token_ids[i]
     assert out.token_ids[2] != greedy_run.token_ids[2]

@@ -26,6 +26,8 @@ static argument, its parameters a traced one):
   draft(params, cache, target, anchor [S], anchor_pos [S], keys [S], sa)
       -> tokens [S, γ], transformed logits [S, γ, V], confidences [S, γ]
 and the attributes `block_size` (γ) and `feature_layers` (target layer ids it reads).
+Optional: `take_slots(cache, idx) -> cache` for slot compaction when its cache is not a
+`KVCache` [L, S, T, ...] (which is sliced to the attention window and compacted as is).
 """
 
 from __future__ import annotations
@@ -347,7 +349,9 @@ def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings:
         sizes = (S, *buckets)
         branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1, kv_window=W)] + [
             functools.partial(verify_bucket, num_tokens=n, q_max=K + 1, kv_window=W) for n in buckets]
-        idx = jnp.where(drafted, 1 + jnp.clip(u, 0, len(buckets) - 1), 0).astype(jnp.int32)
+        # A step that verifies no draft at all runs the one-query-per-slot variant: the same
+        # target sample, without the [S, K+1] query grid of the drafting buckets.
+        idx = jnp.where(drafted & (jnp.sum(nv) > 0), 1 + jnp.clip(u, 0, len(buckets) - 1), 0).astype(jnp.int32)
 
     def run(i):
         return lambda ops: branches[i](target, drafter, dparams, *ops)
