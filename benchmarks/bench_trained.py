@@ -1,8 +1,8 @@
 """Trained drafters on the evaluation prompts: τ per dataset and the speedup over
 autoregressive decoding, measured side by side in one run.
 
-    python -m benchmarks.bench_trained [--drafter smollm2-135m-dspark] [--baseline DIR]
-        [--prompts 20] [--speed-prompts 5] [--max-new-tokens 128]
+    python -m benchmarks.bench_trained [--drafter smollm2-135m-dspark] [--baseline DIR] [--ngram]
+        [--prompts 20] [--speed-prompts 5] [--max-new-tokens 128] [--policy dspark]
 
 τ (accepted tokens per cycle, bonus included) comes from all `--prompts` prompts of each
 dataset decoded as one batch, at temperature 0 and 1, for the DSpark drafter and (with
@@ -57,35 +57,42 @@ def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 
     return table(hdr, rows)
 
 
-def speed_table(target, drafter, n_prompts: int, max_new: int, temps=(0.0, 1.0)) -> str:
+def speed_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0), policy="dspark") -> str:
+    """Batch-1 wall-clock speedup of each drafter over autoregressive decoding: per prompt,
+    AR and every drafter run interleaved (the order rotates), compile excluded."""
     rows = []
+    kinds = ["ar", *drafters]
     for name in DATASETS:
         prompts = [_chat(p) for p in eval_prompts(name, n_prompts)]
         for temp in temps:
             sp = ds.SamplingParams(temperature=temp, max_new_tokens=max_new, seed=0)
-            for p in prompts[:1]:  # compile both programs outside the timings
-                ds.generate(target, [p], sampling=sp)
-                ds.generate(target, [p], drafter=drafter, sampling=sp, policy="fixed")
-            speedups, ar_tps, sp_tps, taus, same = [], [], [], [], True
+
+            def run(kind, p, sp=sp):
+                d = drafters.get(kind)
+                t0 = time.perf_counter()
+                out = ds.generate(target, [p], drafter=d, sampling=sp, policy=policy if d is not None else None)
+                return out, time.perf_counter() - t0
+
+            for kind in kinds:  # compile every program outside the timings
+                run(kind, prompts[0])
+            tps = {k: [] for k in kinds}
+            taus = {k: [] for k in drafters}
+            same = {k: True for k in drafters}
             for i, p in enumerate(prompts):
-                runs = {}
-                order = ("ar", "spec") if i % 2 == 0 else ("spec", "ar")
-                for kind in order:
-                    t0 = time.perf_counter()
-                    out = ds.generate(target, [p], drafter=drafter if kind == "spec" else None, sampling=sp,
-                                      policy="fixed" if kind == "spec" else None)
-                    runs[kind] = (out, time.perf_counter() - t0)
-                (a, ta), (s, ts) = runs["ar"], runs["spec"]
-                # Per-token time: sampled runs may differ in length (and stop at EOS).
-                ar_tps.append(a.stats["new_tokens"] / ta)
-                sp_tps.append(s.stats["new_tokens"] / ts)
-                speedups.append(sp_tps[-1] / ar_tps[-1])
-                taus.append(s.stats["tau"])
-                if temp == 0.0:
-                    same &= a.token_ids == s.token_ids
-            rows.append([name, temp, f"{median(ar_tps):.1f}", f"{median(sp_tps):.1f}", spread(speedups, fmt="{:.2f}×"),
-                         f"{np.mean(taus):.2f}", ("yes" if same else "NO") if temp == 0.0 else "n/a"])
-    return table(["dataset", "temperature", "AR tok/s", "spec tok/s", "speedup median (min–max)", "τ",
+                order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]
+                runs = {k: run(k, p) for k in order}
+                for k, (out, dt) in runs.items():
+                    # Per-token time: sampled runs may differ in length (and stop at EOS).
+                    tps[k].append(out.stats["new_tokens"] / dt)
+                    if k != "ar":
+                        taus[k].append(out.stats["tau"])
+                        same[k] &= temp != 0.0 or out.token_ids == runs["ar"][0].token_ids
+            for k in drafters:
+                sps = [a / b for a, b in zip(tps[k], tps["ar"])]
+                rows.append([name, temp, k, f"{median(tps['ar']):.1f}", f"{median(tps[k]):.1f}",
+                             spread(sps, fmt="{:.2f}×"), f"{np.mean(taus[k]):.2f}",
+                             ("yes" if same[k] else "NO") if temp == 0.0 else "n/a"])
+    return table(["dataset", "temperature", "drafter", "AR tok/s", "spec tok/s", "speedup median (min–max)", "τ",
                   "greedy identical"], rows)
 
 
@@ -103,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--topk-variant", type=int, default=0,
                     help="also the DSpark drafter with this top-k sequential bias (τ column)")
     ap.add_argument("--scan-layers", action="store_true", help="target layers under lax.scan (faster compile)")
+    ap.add_argument("--ngram", action="store_true", help="also prompt lookup (ds.NgramDrafter), τ and speed")
+    ap.add_argument("--policy", default="dspark", help="verification policy of the speed table (dspark | fixed)")
     args = ap.parse_args(argv)
     target = ds.load_target(args.target, scan_layers=args.scan_layers)
     drafters = {"DSpark": ds.load_drafter(args.drafter, target)}
@@ -112,14 +121,18 @@ def main(argv=None):
             d.cfg.replace(draft_topk=args.topk_variant), d.graphdef, d.state)
     if args.baseline:
         drafters["DFlash"] = ds.load_drafter(args.baseline, target)
+    if args.ngram:
+        drafters["prompt lookup"] = ds.NgramDrafter(block_size=drafters["DSpark"].block_size)
     print(f"# {hardware()}; {machine_load()} at start")
     if not args.skip_tau:
         print(f"\n## τ ({args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, γ = "
               f"{drafters['DSpark'].block_size}, batches of {args.batch})\n")
         print(tau_table(target, drafters, args.prompts, args.max_new_tokens, batch=args.batch), flush=True)
     if not args.skip_speed:
-        print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved)\n")
-        print(speed_table(target, drafters["DSpark"], args.speed_prompts, args.max_new_tokens))
+        print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved, "
+              f"policy {args.policy})\n")
+        speed = {k: v for k, v in drafters.items() if k in ("DSpark", "prompt lookup")}
+        print(speed_table(target, speed, args.speed_prompts, args.max_new_tokens, policy=args.policy))
     print(f"\n{machine_load()} at end")
 
 

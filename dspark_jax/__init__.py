@@ -8,6 +8,7 @@
 from dspark_jax.config import ModelConfig
 from dspark_jax.decoding.drafting import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import GenerationOutput, generate
+from dspark_jax.decoding.ngram import NgramDrafter
 from dspark_jax.decoding.profiling import StepRates, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import schedule
@@ -23,6 +24,7 @@ __all__ = [
     "GenerationOutput",
     "OracleDrafter",
     "ModelConfig",
+    "NgramDrafter",
     "SamplingParams",
     "StepRates",
     "Target",

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.engine import GenState, _fold, decode_loop, with_sched_state
+from dspark_jax.decoding.engine import GenState, _fold, append_context, decode_loop, with_sched_state
 from dspark_jax.decoding.generate import _loop_settings, attention_windows, encode_prompt, next_pow2, pick_window
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_or_argmax, transform_logits
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
@@ -82,7 +82,8 @@ def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, le
     dcache = st.dcache
     if drafter is not None:
         lay = packed_layout(starts_S, lens, tokens_P.shape[0], q_max)
-        dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N)
+        dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N,
+                                tokens_P)
     st = st.replace(cache=cache, dcache=dcache, seq_len=jnp.where(chunk_S, starts_S + lens, st.seq_len))
     new_S = final_S & chunk_S
     keys = jnp.where(new_S, keys_S, st.keys)

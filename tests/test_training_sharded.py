@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent("""
              for k in ("tokens", "anchors", "block_mask")}
     for _ in range(3):
         st, m = ts.train_step_online(st, rest, tstate, batch, tx=tx, dgraph=dg, tgraph=t.graphdef,
-                                     feature_layers=cfg.target_layer_ids, decay=4.0)
+                                     feature_layers=cfg.target_layer_ids)
     from jax.experimental import multihost_utils
     leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(st.params)]
     print("RESULT", json.dumps({"devices": jax.device_count(), "processes": jax.process_count(),

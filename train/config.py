@@ -37,6 +37,13 @@ class TrainConfig:
     markov_rank: int = 128
     draft_vocab_size: int = 8192  # 0 = full vocabulary
     loss_decay: float = 4.0  # λ
+    # Loss mix (dspark_jax.training.losses.LossConfig): DeepSpec's DSpark mix is (0.1, 0.9, 1.0, 0)
+    # with labels from the data; "target" labels are the target's argmax at each position.
+    alpha_ce: float = 0.1
+    alpha_tv: float = 0.9
+    alpha_conf: float = 1.0
+    alpha_kl: float = 0.0
+    loss_labels: str = "data"  # data | target
     # Optimisation.
     seq_len: int = 512
     num_anchors: int = 32
@@ -60,6 +67,12 @@ class TrainConfig:
     # Calibration.
     calib_prompts: int = 32
     calib_max_new_tokens: int = 96
+
+    def loss(self):
+        from dspark_jax.training.losses import LossConfig
+
+        return LossConfig(decay=self.loss_decay, alpha_ce=self.alpha_ce, alpha_tv=self.alpha_tv,
+                          alpha_conf=self.alpha_conf, alpha_kl=self.alpha_kl, labels=self.loss_labels)
 
     def replace(self, **kw) -> TrainConfig:
         return dataclasses.replace(self, **kw)

@@ -213,7 +213,7 @@ def train(cfg: TrainConfig, workdir: str) -> None:
     prog = Progress("train", total, unit="step")
     step = int(state.step)
     prog.update(step)
-    kw = dict(tx=tx, dgraph=dgraph, tgraph=target.graphdef, decay=dcfg.loss_decay)
+    kw = dict(tx=tx, dgraph=dgraph, tgraph=target.graphdef, loss=cfg.loss())
     t_last, tok_since = time.perf_counter(), 0
     try:
         while step < total:

@@ -23,6 +23,7 @@ A drafter plugs in through three pure methods (called inside jit; the drafter ob
 static argument, its parameters a traced one):
   init_cache(params, num_slots, length) -> cache pytree
   append(params, cache, target, feats [N, F], slot [N], pos [N], valid [N]) -> cache
+      (a drafter with `reads_tokens = True` also gets `tokens_N=` the committed tokens)
   draft(params, cache, target, anchor [S], anchor_pos [S], keys [S], sa)
       -> tokens [S, γ], transformed logits [S, γ, V], confidences [S, γ]
 and the attributes `block_size` (γ) and `feature_layers` (target layer ids it reads).
@@ -181,6 +182,14 @@ def window_cache(dcache, kv_window: int | None):
     return KVCache(dcache.k[:, :, :kv_window], dcache.v[:, :, :kv_window])
 
 
+def append_context(drafter, dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N):
+    """The drafter's `append`, with the committed tokens for a drafter that reads them
+    (`reads_tokens`, e.g. prompt lookup) and without for one that reads features only."""
+    if getattr(drafter, "reads_tokens", False):
+        return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=tokens_N)
+    return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N)
+
+
 def _fold(keys, data):
     return jax.vmap(jax.random.fold_in)(keys, data)
 
@@ -232,7 +241,8 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
         logits, feats, cache = target(cache, toks, done_S, take_S, q_max=qc, logits_idx=idx,
                                       feature_layers=feature_layers, kv_window=kv_window)
         if drafter is not None:
-            dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N)
+            dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N,
+                                    toks)
         finished = (take_S > 0) & (done_S + take_S == lens_S)
         last_SV = jnp.where(finished[:, None], logits, last_SV)
         return done_S + take_S, cache, dcache, last_SV
@@ -282,7 +292,7 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
     accepted = jnp.where(active, accepted, 0)
     if drafter is not None:
         keep = lay.valid_N & (lay.j_N <= accepted[lay.slot_N])
-        dcache = drafter.append(dparams, dcache, target, feats, lay.slot_N, lay.pos_N, keep)
+        dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, keep, tokens_N)
     return accepted, emitted, cache, dcache
 
 

@@ -340,12 +340,16 @@ def inspect_drafter(path: str) -> tuple[str, dict]:
 
 def load_drafter(path: str, target=None) -> Drafter:
     """Loads our export or a DeepSpec DSpark/DFlash checkpoint directory, or a shipped drafter
-    by name (`"smollm2-135m-dspark"`).
+    by name (`"smollm2-135m-dspark"`); `"ngram"` is prompt lookup (`NgramDrafter`, no weights).
 
     With `target` given, checks that the drafter fits it (hidden size, vocab, depth, RoPE,
     and for DeepSpec checkpoints that the stored embedding equals the target's). A DeepSpec
     config that omits a numeric field (e.g. RoPE θ) needs `target` to supply it.
     """
+    if path == "ngram":
+        from dspark_jax.decoding.ngram import NgramDrafter
+
+        return NgramDrafter().bind(target) if target is not None else NgramDrafter()
     path = resolve_drafter_path(path)
     kind, d = inspect_drafter(path)
     source = os.path.join(path, "config.json")

@@ -113,11 +113,13 @@ def training_attention_mask(anchors_BA, num_ctx: int, block_size: int):
     return jnp.concatenate([ctx, own], -1)
 
 
-def forward_train(drafter: DSparkDrafter, embed_VD, lm_head_DV, feats_BTF, tokens_BT, anchors_BA):
+def forward_train(drafter: DSparkDrafter, embed_VD, lm_head_DV, feats_BTF, tokens_BT, anchors_BA, prev_BAG=None):
     """Teacher-forced drafter forward for training.
 
     feats_BTF: target features of every position; tokens_BT: the sequence; anchors_BA:
-    anchor positions (block a predicts tokens anchor+1 .. anchor+γ). Returns (logits
+    anchor positions (block a predicts tokens anchor+1 .. anchor+γ); prev_BAG: the tokens the
+    sequential head is teacher-forced on (position k's previous token; default: the sequence's
+    own, the anchor at k = 0). Returns (logits
     [B, A, G, V] fp32 — parallel logits plus the head's bias for ground-truth previous
     tokens —, raw confidence logits [B, A, G]).
     """
@@ -133,7 +135,10 @@ def forward_train(drafter: DSparkDrafter, embed_VD, lm_head_DV, feats_BTF, token
     h = drafter.backbone(x, pos, ctx_k, ctx_v, mask).reshape(B, A, G, -1)
     U = jnp.einsum("bagd,dv->bagv", h, drafter.proposal_head(lm_head_DV), preferred_element_type=jnp.float32)
     # Position k's previous token is the ground truth at anchor + k (k = 0: the anchor).
-    prev = jnp.take_along_axis(tokens_BT, jnp.clip(pos, 0, T - 1), 1).reshape(B * A, G)
+    if prev_BAG is None:
+        prev = jnp.take_along_axis(tokens_BT, jnp.clip(pos, 0, T - 1), 1).reshape(B * A, G)
+    else:
+        prev = prev_BAG.reshape(B * A, G)
     logits, conf = teacher_forced(drafter.head, drafter.confidence, U.reshape(B * A, G, -1),
                                   h.reshape(B * A, G, -1), prev)
     return logits.reshape(B, A, G, -1), conf.reshape(B, A, G)

@@ -24,7 +24,9 @@ from flax import nnx, struct
 
 from dspark_jax.models.drafter import DSparkDrafter, forward_train
 from dspark_jax.models.transformer import KVCache
-from dspark_jax.training.losses import dspark_loss
+from dspark_jax.training.losses import LossConfig, dspark_loss
+
+DEFAULT_LOSS = LossConfig()  # DeepSpec's DSpark mix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,7 @@ def target_outputs(tgraph, tstate, tokens_BT, feature_layers: tuple[int, ...]):
     return jax.lax.stop_gradient(feats[..., :-D]), jax.lax.stop_gradient(feats[..., -D:])
 
 
-def _loss(params, dgraph, rest, tgraph, tstate, batch, feats_BTF, last_BTD, decay):
+def _loss(params, dgraph, rest, tgraph, tstate, batch, feats_BTF, last_BTD, loss: LossConfig):
     target = nnx.merge(tgraph, tstate)
     drafter = nnx.merge(dgraph, params, rest)
     tokens, anchors, bmask = batch["tokens"], batch["anchors"], batch["block_mask"]
@@ -102,14 +104,21 @@ def _loss(params, dgraph, rest, tgraph, tstate, batch, feats_BTF, last_BTD, deca
     G = drafter.cfg.block_size
     V = drafter.cfg.vocab_size
     lm = target.lm_head_matrix()
-    logits, conf = forward_train(drafter, target.embed_tokens[...], lm, feats_BTF, tokens, anchors)
     # Block position k (0-based) predicts the token at anchor + k + 1, which the target
     # scores from its hidden state at anchor + k.
     pos = jnp.clip(anchors[..., None] + jnp.arange(G), 0, T - 1)  # [B, A, G]
     h = jnp.take_along_axis(last_BTD, pos.reshape(B, -1)[..., None], 1)  # [B, AG, D]
     tl = target.unembed(h.astype(last_BTD.dtype))  # [B, AG, V] fp32
     logp_t = jax.nn.log_softmax(tl, -1).reshape(pos.shape + (V,))
-    labels = jnp.take_along_axis(tokens, jnp.clip(pos + 1, 0, T - 1).reshape(B, -1), 1).reshape(pos.shape)
+    if loss.labels == "target":
+        # What greedy verification accepts: the target's argmax; the head sees those tokens too.
+        labels = jnp.argmax(logp_t, -1).astype(jnp.int32)
+        anchor_tok = jnp.take_along_axis(tokens, jnp.clip(anchors, 0, T - 1), 1)
+        prev = jnp.concatenate([anchor_tok[..., None], labels[..., :-1]], -1)
+    else:
+        labels = jnp.take_along_axis(tokens, jnp.clip(pos + 1, 0, T - 1).reshape(B, -1), 1).reshape(pos.shape)
+        prev = None
+    logits, conf = forward_train(drafter, target.embed_tokens[...], lm, feats_BTF, tokens, anchors, prev_BAG=prev)
     ids = drafter.proposal_ids
     if ids is None:
         logp_t_p, in_mass = logp_t, jnp.ones(pos.shape, jnp.float32)
@@ -122,37 +131,40 @@ def _loss(params, dgraph, rest, tgraph, tstate, batch, feats_BTF, last_BTD, deca
         lab_in = (lab_p >= 0).astype(jnp.float32)
         lab_p = jnp.maximum(lab_p, 0)
     logp_t_p = jax.lax.stop_gradient(logp_t_p)
-    return dspark_loss(logits, conf, logp_t_p, jax.lax.stop_gradient(in_mass), lab_p, lab_in, bmask, decay=decay)
+    return dspark_loss(logits, conf, logp_t_p, jax.lax.stop_gradient(in_mass), lab_p, lab_in, bmask,
+                       decay=loss.decay, alpha=loss.alpha)
 
 
-def _update(st: TrainState, tx, dgraph, rest, tgraph, tstate, batch, feats, last, decay):
+def _update(st: TrainState, tx, dgraph, rest, tgraph, tstate, batch, feats, last, loss_cfg):
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
-    (loss, metrics), grads = grad_fn(st.params, dgraph, rest, tgraph, tstate, batch, feats, last, decay)
+    (loss, metrics), grads = grad_fn(st.params, dgraph, rest, tgraph, tstate, batch, feats, last, loss_cfg)
     updates, opt_state = tx.update(grads, st.opt_state, st.params)
     params = optax.apply_updates(st.params, updates)
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
     return TrainState(st.step + 1, params, opt_state), metrics
 
 
-@functools.partial(jax.jit, static_argnames=("tx", "dgraph", "tgraph", "feature_layers", "decay"),
+@functools.partial(jax.jit, static_argnames=("tx", "dgraph", "tgraph", "feature_layers", "loss"),
                    donate_argnames=("st",))
-def train_step_online(st: TrainState, rest, tstate, batch, *, tx, dgraph, tgraph, feature_layers, decay):
+def train_step_online(st: TrainState, rest, tstate, batch, *, tx, dgraph, tgraph, feature_layers,
+                      loss: LossConfig = DEFAULT_LOSS):
     """Target forward inside the step. Donates the train state it replaces."""
     feats, last = target_outputs(tgraph, tstate, batch["tokens"], feature_layers)
-    return _update(st, tx, dgraph, rest, tgraph, tstate, batch, feats, last, decay)
+    return _update(st, tx, dgraph, rest, tgraph, tstate, batch, feats, last, loss)
 
 
-@functools.partial(jax.jit, static_argnames=("tx", "dgraph", "tgraph", "decay"), donate_argnames=("st",))
-def train_step_cached(st: TrainState, rest, tstate, batch, feats, last, *, tx, dgraph, tgraph, decay):
+@functools.partial(jax.jit, static_argnames=("tx", "dgraph", "tgraph", "loss"), donate_argnames=("st",))
+def train_step_cached(st: TrainState, rest, tstate, batch, feats, last, *, tx, dgraph, tgraph,
+                      loss: LossConfig = DEFAULT_LOSS):
     """Features and last hidden state from the feature cache (no target forward)."""
     return _update(st, tx, dgraph, rest, tgraph, tstate, batch, feats.astype(jnp.float32),
-                   last.astype(jnp.float32), decay)
+                   last.astype(jnp.float32), loss)
 
 
-@functools.partial(jax.jit, static_argnames=("dgraph", "tgraph", "feature_layers", "decay"))
-def eval_step(params, rest, tstate, batch, *, dgraph, tgraph, feature_layers, decay):
+@functools.partial(jax.jit, static_argnames=("dgraph", "tgraph", "feature_layers", "loss"))
+def eval_step(params, rest, tstate, batch, *, dgraph, tgraph, feature_layers, loss: LossConfig = DEFAULT_LOSS):
     feats, last = target_outputs(tgraph, tstate, batch["tokens"], feature_layers)
-    return _loss(params, dgraph, rest, tgraph, tstate, batch, feats, last, decay)[1]
+    return _loss(params, dgraph, rest, tgraph, tstate, batch, feats, last, loss)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "feature_layers"))

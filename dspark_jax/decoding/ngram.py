@@ -1,0 +1,126 @@
+"""Prompt lookup (n-gram) drafting: a drafter that needs no training.
+
+The drafter keeps every request's committed tokens (prompt and output) in a per-slot token
+buffer. Each cycle it takes the last n tokens of the request (the anchor included), finds
+their most recent earlier occurrence in the request's own context — the longest n from
+`max_ngram` down to `min_ngram` — and proposes the γ tokens that followed it. This is what
+vLLM's `ngram` speculator, HF `prompt_lookup_num_tokens` and llama.cpp's lookup decoding do;
+here it runs on device inside the same cycle, verification, schedulers and engine as the
+DSpark drafter, so it is lossless by the same rules:
+
+- the draft distribution is the one-hot of the proposed token (the proposal is a
+  deterministic function of the context), so rejection sampling accepts it with probability
+  p_target(token) and resamples from the residual otherwise — exactly the target;
+- its confidences are a per-position prior indexed by the match length (longer matches
+  continue more often), which the async scheduler then calibrates online per request
+  against the acceptances it observes. Positions past what the context can continue get
+  confidence 0 (and token 0).
+
+Letter legend: S slots, T cache length, G block size γ, N packed tokens, V vocab, J the
+positions j = 0 .. max_ngram−1 back from the anchor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decoding.sampling import SamplingArrays
+
+# P(draft k survives | its prefix did), by match length 0 .. 4+ (0 = no match: nothing to
+# draft). Measured on SmolLM2's greedy answers to held-out prompts (BENCHMARKS.md,
+# "Prompt lookup"); the async scheduler recalibrates them online per request.
+DEFAULT_CONFIDENCE = (0.0, 0.3, 0.5, 0.6, 0.7)
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+    """`ds.NgramDrafter()` (or `ds.load_drafter("ngram", target)`): prompt lookup drafting.
+
+    block_size: γ, tokens proposed per cycle. max_ngram / min_ngram: the longest and shortest
+    suffix matched (the longest match wins; among equal lengths, the most recent).
+    confidence: per-position survival prior by match length (index min(n, len − 1)).
+    """
+
+    block_size: int = 7
+    max_ngram: int = 4
+    min_ngram: int = 1
+    vocab_size: int = 0  # filled from the target by `bind` (one-hot draft distributions)
+    confidence: tuple[float, ...] = DEFAULT_CONFIDENCE
+    feature_layers: tuple[int, ...] = ()  # reads no target features
+    reads_tokens: bool = True  # the engine passes the committed tokens to `append`
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 ≤ min_ngram ≤ max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if not self.confidence or any(not 0.0 <= c <= 1.0 for c in self.confidence):
+            raise ValueError(f"confidence values must lie in [0, 1], got {self.confidence}")
+
+    def bind(self, target) -> NgramDrafter:
+        V = target.cfg.vocab_size
+        return self if self.vocab_size == V else dataclasses.replace(self, vocab_size=V)
+
+    @property
+    def params(self):
+        return None
+
+    # --- the engine interface (pure; called inside jit) ---
+    def init_cache(self, params, num_slots: int, length: int):
+        """The token buffer [S, T]: token at each committed cache position (−1 = none yet)."""
+        return jnp.full((num_slots, length), -1, jnp.int32)
+
+    def take_slots(self, cache, idx):
+        return cache[idx]
+
+    def append(self, params, cache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=None):
+        if tokens_N is None:
+            raise ValueError("NgramDrafter.append needs the committed tokens (tokens_N)")
+        S = cache.shape[0]
+        ws = jnp.where(valid_N, slot_N, S)  # invalid → out of range → dropped
+        return cache.at[ws, pos_N].set(tokens_N.astype(jnp.int32), mode="drop")
+
+    def lookup(self, buf_ST, anchor_S, anchor_pos_S):
+        """→ (tokens [S, G], match length [S], continuation known [S, G])."""
+        S, T = buf_ST.shape
+        G, J = self.block_size, self.max_ngram
+        p = anchor_pos_S[:, None]  # the anchor's position (its token is not in the buffer yet)
+        t = jnp.arange(T)[None]
+        # The context as a sequence: buffer positions < p, then the anchor at p.
+        seq = jnp.where(t < p, buf_ST, -1)
+        seq = jnp.where(t == p, anchor_S[:, None], seq)
+        # The suffix to match: tokens at p, p−1, …, p−J+1.
+        back = p - jnp.arange(J)[None]  # [S, J]
+        suf = jnp.where(back >= 0, jnp.take_along_axis(seq, jnp.maximum(back, 0), 1), -2)
+        # Occurrence ending at t (t < p): seq[t − j] == suf[j] for j < n.
+        run = jnp.ones((S, T), bool)
+        length = jnp.zeros((S, T), jnp.int32)
+        for j in range(J):
+            prev = jnp.pad(seq, ((0, 0), (j, 0)), constant_values=-3)[:, :T]  # seq[t − j]
+            run = run & (prev == suf[:, j:j + 1]) & (suf[:, j:j + 1] >= 0)
+            length = length + run
+        length = jnp.where(t < p, length, 0)
+        length = jnp.where(length >= self.min_ngram, length, 0)
+        # Longest match first, then the most recent.
+        best = jnp.argmax(length * T + t, 1)  # [S]
+        n = jnp.take_along_axis(length, best[:, None], 1)[:, 0]
+        src = best[:, None] + 1 + jnp.arange(G)[None]  # [S, G]
+        known = (n[:, None] > 0) & (src <= p)
+        tok = jnp.take_along_axis(seq, jnp.clip(src, 0, T - 1), 1)
+        tok = jnp.where(known & (tok >= 0), tok, 0)
+        return tok, n, known & (tok >= 0)
+
+    def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays, **_):
+        """→ (tokens [S, G], one-hot draft logits [S, G, V], confidences [S, G])."""
+        tok, n, known = self.lookup(cache, anchor_S, anchor_pos_S)
+        table = jnp.asarray(self.confidence, jnp.float32)
+        c = table[jnp.minimum(n, table.shape[0] - 1)]
+        # Survival needs the whole prefix: after the first unknown position, nothing survives.
+        known = jnp.cumprod(known.astype(jnp.int32), 1) > 0
+        conf = jnp.where(known, c[:, None], 0.0)
+        V = self.vocab_size or target.cfg.vocab_size
+        logits = jnp.where(jax.nn.one_hot(tok, V, dtype=jnp.bool_), 0.0, -jnp.inf)
+        return tok, logits, conf
