@@ -8,7 +8,7 @@
 from dspark_jax.config import ModelConfig
 from dspark_jax.decoding.drafting import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import GenerationOutput, generate
-from dspark_jax.decoding.ngram import NgramDrafter
+from dspark_jax.decoding.ngram import HybridDrafter, NgramDrafter
 from dspark_jax.decoding.profiling import StepRates, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import schedule
@@ -22,6 +22,7 @@ __all__ = [
     "Drafter",
     "DrafterConfig",
     "GenerationOutput",
+    "HybridDrafter",
     "OracleDrafter",
     "ModelConfig",
     "NgramDrafter",

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2-135m", help="embedded model name, HF model directory or .gguf file")
     ap.add_argument("--drafter", metavar="DIR", default="auto",
                     help="drafter directory (our export or a DeepSpec checkpoint), a shipped drafter's name, "
-                         "or 'ngram' (prompt lookup, no training); "
+                         "'ngram' (prompt lookup, no training) or NAME+ngram (lookup where the context repeats, "
+                         "the drafter elsewhere); "
                          "default 'auto': the drafter shipped for --model if there is one "
                          "(smollm2-135m-dspark for the default model), else autoregressive")
     ap.add_argument("--no-drafter", action="store_true",
@@ -146,11 +147,11 @@ def main(argv=None) -> int:
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
         )
-        if args.drafter and args.drafter != "ngram":  # cheap checks first: a bad path should not wait
-            # for the target to load
+        if args.drafter and args.drafter != "ngram":
+            # Cheap checks first: a bad path should not wait for the target to load.
             from dspark_jax.io.drafter_io import inspect_drafter
 
-            inspect_drafter(args.drafter)
+            inspect_drafter(args.drafter.removesuffix("+ngram"))
         if not args.no_compile_cache:
             import jax
 

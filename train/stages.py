@@ -278,18 +278,23 @@ def calibrate(cfg: TrainConfig, workdir: str) -> None:
     prompts = [t[m == 0].tolist() for t, m in held][: cfg.calib_prompts]
     if not prompts:
         raise ValueError("no held-out prompts to calibrate on: run the data stage first")
-    # Temperature 1: the confidence head's label is the acceptance probability under sampling
-    # (1 − TV), so that is the regime whose survival it is calibrated for.
-    sp = ds.SamplingParams(temperature=1.0, max_new_tokens=cfg.calib_max_new_tokens, seed=cfg.seed)
-    conf, acc, ver = calibration.collect_cycles(target, drafter, prompts, max_new_tokens=cfg.calib_max_new_tokens,
-                                                sampling=sp)
+    # Two fits of the same confidences: at temperature 1 (the confidence head's label is the
+    # acceptance probability under sampling, 1 − TV) and at temperature 0 (survival is an argmax
+    # match); the drafter uses the fit that matches each request.
     out = os.path.join(workdir, "calibration")
     os.makedirs(out, exist_ok=True)
-    rep = calibration.fit_and_report(conf, acc, ver, drafter.cfg.block_size,
-                                     png_path=os.path.join(out, "reliability.png"))
+    reps = {}
+    for name, temp in (("sampled", 1.0), ("greedy", 0.0)):
+        sp = ds.SamplingParams(temperature=temp, max_new_tokens=cfg.calib_max_new_tokens, seed=cfg.seed)
+        conf, acc, ver = calibration.collect_cycles(target, drafter, prompts,
+                                                    max_new_tokens=cfg.calib_max_new_tokens, sampling=sp)
+        png = "reliability.png" if name == "sampled" else "reliability_greedy.png"
+        reps[name] = calibration.fit_and_report(conf, acc, ver, drafter.cfg.block_size,
+                                                png_path=os.path.join(out, png))
+        print(f"[calibrate] {name} (T = {temp}): temperatures {reps[name]['temperatures']}", file=sys.stderr)
+    rep = {**reps["sampled"], "greedy": reps["greedy"]}
     with open(os.path.join(out, "sts.json"), "w") as f:
         json.dump(rep, f, indent=1, default=float)
-    print(f"[calibrate] temperatures {rep['temperatures']}", file=sys.stderr)
 
 
 def export(cfg: TrainConfig, workdir: str) -> None:
@@ -297,8 +302,11 @@ def export(cfg: TrainConfig, workdir: str) -> None:
     drafter = restore_params(cfg, workdir, target)
     sts = os.path.join(workdir, "calibration", "sts.json")
     if os.path.exists(sts):
-        temps = tuple(float(t) for t in json.load(open(sts))["temperatures"])
-        drafter = ds.Drafter(drafter.cfg.replace(sts_temperatures=temps), drafter.graphdef, drafter.state)
+        from dspark_jax.training.calibration import with_temperatures
+
+        rep = json.load(open(sts))
+        greedy = rep["greedy"]["temperatures"] if "greedy" in rep else None
+        drafter = with_temperatures(drafter, rep["temperatures"], greedy)
     out = os.path.join(workdir, "export")
     ds.save_drafter(drafter, out, dtype="bfloat16")
     print(f"[export] wrote {out}", file=sys.stderr)

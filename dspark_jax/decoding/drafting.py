@@ -122,7 +122,11 @@ class Drafter:
         toks, logits, conf = sample_block(d.head, d.confidence, U, h, anchor_S, keys_S, sa, draft_ids=ids,
                                           vocab_size=self.cfg.vocab_size, topk=self.cfg.draft_topk,
                                           use_scan=use_scan, with_logits=with_logits)
-        return toks, logits, sts_confidence(conf, self.cfg.sts_temperatures)
+        c = sts_confidence(conf, self.cfg.sts_temperatures)
+        if self.cfg.sts_temperatures_greedy:  # greedy requests: calibrated for argmax survival
+            cg = sts_confidence(conf, self.cfg.sts_temperatures_greedy)
+            c = jnp.where((sa.temperature == 0.0)[:, None], cg, c)
+        return toks, logits, c
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "tgraph", "use_scan", "with_logits"))

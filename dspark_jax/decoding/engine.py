@@ -175,8 +175,10 @@ def take_slots(st: GenState, sa: SamplingArrays, idx, drafter=None):
 
 
 def window_cache(dcache, kv_window: int | None):
-    """The drafter's context cache cut to the attention window (a KVCache [L, S, T, ...]
-    only; other drafter caches are passed whole)."""
+    """The drafter's context cache cut to the attention window: a KVCache [L, S, T, ...], or
+    the KVCaches inside a tuple (a hybrid drafter's); other caches are passed whole."""
+    if isinstance(dcache, tuple):
+        return tuple(window_cache(c, kv_window) for c in dcache)
     if kv_window is None or not isinstance(dcache, KVCache) or kv_window >= dcache.k.shape[2]:
         return dcache
     return KVCache(dcache.k[:, :, :kv_window], dcache.v[:, :, :kv_window])

@@ -23,6 +23,7 @@ positions j = 0 .. max_ngram−1 back from the anchor.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -123,4 +124,77 @@ class NgramDrafter:
         conf = jnp.where(known, c[:, None], 0.0)
         V = self.vocab_size or target.cfg.vocab_size
         logits = jnp.where(jax.nn.one_hot(tok, V, dtype=jnp.bool_), 0.0, -jnp.inf)
+        return tok, logits, conf
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: a static jit argument
+class HybridDrafter:
+    """Prompt lookup where the context repeats itself, the trained drafter elsewhere.
+
+    Each cycle, per request: if the longest suffix match in the request's own context has at
+    least `min_match` tokens, the block is the n-gram continuation (its one-hot distribution
+    and its prior confidences); otherwise it is the DSpark block (its sampled tokens, draft
+    distribution and calibrated confidences). The choice depends on the committed context
+    only — never on the tokens the DSpark drafter sampled in this cycle — so the proposal
+    distribution verification sees is exactly the chosen drafter's, and the output stays
+    the target's (tests/test_ngram.py).
+    """
+
+    drafter: Any  # a DSpark/DFlash `Drafter`
+    ngram: NgramDrafter = None
+    min_match: int = 3
+
+    def __post_init__(self):
+        if self.ngram is None:
+            self.ngram = NgramDrafter(block_size=self.drafter.block_size)
+        if self.ngram.block_size != self.drafter.block_size:
+            raise ValueError(f"the n-gram block size ({self.ngram.block_size}) must equal the drafter's "
+                             f"({self.drafter.block_size})")
+        if not 1 <= self.min_match <= self.ngram.max_ngram:
+            raise ValueError(f"min_match must lie in [1, {self.ngram.max_ngram}], got {self.min_match}")
+
+    reads_tokens = True
+
+    @property
+    def cfg(self):
+        return self.drafter.cfg
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.drafter.feature_layers
+
+    @property
+    def params(self):
+        return self.drafter.params
+
+    def bind(self, target) -> HybridDrafter:
+        self.drafter.bind(target)
+        self.ngram = self.ngram.bind(target)
+        return self
+
+    def init_cache(self, params, num_slots: int, length: int):
+        return (self.drafter.init_cache(params, num_slots, length), self.ngram.init_cache(None, num_slots, length))
+
+    def take_slots(self, cache, idx):
+        kv, buf = cache
+        return (type(kv)(kv.k[:, idx], kv.v[:, idx]), buf[idx])
+
+    def append(self, params, cache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=None):
+        kv, buf = cache
+        return (self.drafter.append(params, kv, target, feats_NF, slot_N, pos_N, valid_N),
+                self.ngram.append(None, buf, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=tokens_N))
+
+    def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays, **kw):
+        kv, buf = cache
+        t1, l1, c1 = self.drafter.draft(params, kv, target, anchor_S, anchor_pos_S, keys_S, sa, **kw)
+        _, n, _ = self.ngram.lookup(buf, anchor_S, anchor_pos_S)
+        t2, l2, c2 = self.ngram.draft(None, buf, target, anchor_S, anchor_pos_S, keys_S, sa)
+        use = n >= self.min_match  # [S], from the context alone
+        tok = jnp.where(use[:, None], t2, t1)
+        conf = jnp.where(use[:, None], c2, c1.astype(jnp.float32))
+        logits = None if l1 is None else jnp.where(use[:, None, None], l2, l1.astype(jnp.float32))
         return tok, logits, conf

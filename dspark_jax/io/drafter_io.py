@@ -80,6 +80,7 @@ _OUR_FIELDS = (
     ("target_layer_ids", "int_list", True), ("markov_rank", "int", True), ("head_type", "str", True),
     ("confidence_head", "bool", True), ("confidence_with_markov", "bool", True),
     ("loss_decay", "float", False), ("sts_temperatures", "float_list", False),
+    ("sts_temperatures_greedy", "float_list", False),
     ("draft_vocab_size", "int", False), ("draft_topk", "int", False), ("dtype", "str", False),
 )
 
@@ -340,7 +341,8 @@ def inspect_drafter(path: str) -> tuple[str, dict]:
 
 def load_drafter(path: str, target=None) -> Drafter:
     """Loads our export or a DeepSpec DSpark/DFlash checkpoint directory, or a shipped drafter
-    by name (`"smollm2-135m-dspark"`); `"ngram"` is prompt lookup (`NgramDrafter`, no weights).
+    by name (`"smollm2-135m-dspark"`); `"ngram"` is prompt lookup (`NgramDrafter`, no weights), and
+    `"<drafter>+ngram"` the hybrid of both (`HybridDrafter`: lookup where the context repeats).
 
     With `target` given, checks that the drafter fits it (hidden size, vocab, depth, RoPE,
     and for DeepSpec checkpoints that the stored embedding equals the target's). A DeepSpec
@@ -350,6 +352,12 @@ def load_drafter(path: str, target=None) -> Drafter:
         from dspark_jax.decoding.ngram import NgramDrafter
 
         return NgramDrafter().bind(target) if target is not None else NgramDrafter()
+    if path.endswith("+ngram"):
+        from dspark_jax.decoding.ngram import HybridDrafter, NgramDrafter
+
+        base = load_drafter(path[: -len("+ngram")], target)
+        hyb = HybridDrafter(base, NgramDrafter(block_size=base.block_size))
+        return hyb.bind(target) if target is not None else hyb
     path = resolve_drafter_path(path)
     kind, d = inspect_drafter(path)
     source = os.path.join(path, "config.json")

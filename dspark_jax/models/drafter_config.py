@@ -46,6 +46,9 @@ class DrafterConfig:
     confidence_with_markov: bool = True  # confidence reads [h_k; W1[x_{k−1}]]
     loss_decay: float = 4.0  # λ in w_k = exp(−(k−1)/λ)
     sts_temperatures: tuple[float, ...] = ()  # per position; () = all 1 (uncalibrated)
+    # STS fitted on greedy cycles (survival = argmax match), used for temperature-0 requests;
+    # () = the sampled ones above.
+    sts_temperatures_greedy: tuple[float, ...] = ()
     # Draft vocabulary (EAGLE-3 d2t / FR-Spec): propose only from this many frequent target
     # tokens (ids stored in the checkpoint as `draft_ids`); 0 = the full vocabulary. Lossless:
     # draft logits are -inf outside it, so verification keeps all target mass there.
@@ -82,6 +85,11 @@ class DrafterConfig:
             )
         if any(t <= 0 for t in self.sts_temperatures):
             raise ValueError(f"STS temperatures must be > 0, got {self.sts_temperatures}")
+        if self.sts_temperatures_greedy and len(self.sts_temperatures_greedy) != self.block_size:
+            raise ValueError(f"sts_temperatures_greedy has {len(self.sts_temperatures_greedy)} entries; "
+                             f"expected block_size={self.block_size}")
+        if any(t <= 0 for t in self.sts_temperatures_greedy):
+            raise ValueError(f"STS temperatures must be > 0, got {self.sts_temperatures_greedy}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0 = full vocabulary), "

@@ -149,10 +149,13 @@ def fit_sts(conf_logits, event, observed, grid=None, n_bins: int = 15) -> tuple[
     return tuple(temps)
 
 
-def with_temperatures(drafter: Drafter, temps) -> Drafter:
-    """The same drafter with `temps` as its STS temperatures (saved by `save_drafter`)."""
-    return Drafter(drafter.cfg.replace(sts_temperatures=tuple(float(t) for t in temps)),
-                   drafter.graphdef, drafter.state)
+def with_temperatures(drafter: Drafter, temps, greedy_temps=None) -> Drafter:
+    """The same drafter with `temps` as its STS temperatures (and `greedy_temps` for
+    temperature-0 requests, if given; both saved by `save_drafter`)."""
+    kw = {"sts_temperatures": tuple(float(t) for t in temps)}
+    if greedy_temps is not None:
+        kw["sts_temperatures_greedy"] = tuple(float(t) for t in greedy_temps)
+    return Drafter(drafter.cfg.replace(**kw), drafter.graphdef, drafter.state)
 
 
 # ----------------------------------------------------------------------------- report
