@@ -87,3 +87,24 @@ def tiny_target():
         return t
 
     return make
+
+
+# --------------------------------------------------------------------------- test tiers
+
+# `pytest -m "not slow"` is the inner-loop tier (tiny random models, pure functions); the
+# README's command runs everything. Slow: whatever loads the real SmolLM2 or HF
+# transformers, starts a subprocess program (training, CLI, server, notebooks), or draws
+# large statistical samples.
+REAL_MODEL_FIXTURES = {"smollm2", "smollm2_path", "hf_smollm2", "hf_smollm2_tokenizer"}
+SLOW_MODULES = {
+    "test_cli", "test_notebooks", "test_training", "test_training_sharded", "test_server", "test_hf_parity",
+    "test_speculative_smollm2", "test_smollm2", "test_training_gates", "test_schedule_lossless",
+    "test_training_data", "test_calibration",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW_MODULES or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

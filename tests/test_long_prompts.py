@@ -21,10 +21,11 @@ def test_cache_bucket_is_capped_at_the_context(target):
 
 @pytest.mark.parametrize("chunk", [1, 48, 64])
 def test_chunked_prefill_equals_one_step(target, chunk):
-    """Three prompts of different lengths: chunks run across prompt boundaries."""
+    """Three prompts of different lengths, each prefilled on its own in chunks."""
     ps = prompts([300, 37, 129])
     whole = ds.generate(target, ps, sampling=GREEDY, prefill_chunk=4096)
-    assert whole.stats["buckets"]["prefill_chunk"] == 512  # the whole packed prompt buffer in one step
+    # Each prompt in one step: the chunk is the longest prompt's bucket (capped at the context).
+    assert whole.stats["buckets"]["prefill_chunk"] == 384
     chunked = ds.generate(target, ps, sampling=GREEDY, prefill_chunk=chunk)
     assert chunked.stats["buckets"]["prefill_chunk"] == chunk
     assert chunked.token_ids == whole.token_ids
@@ -54,3 +55,19 @@ def test_speculative_decoding_up_to_the_last_context_position(target):
     spec = ds.generate(target, ps, drafter=drafter, sampling=sp, num_draft=4)
     assert spec.stats["buckets"]["cache_len"] == 384
     assert len(ar.token_ids[0]) == 14 and spec.token_ids == ar.token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_per_request_prefill_equals_batched(target, temperature):
+    """generate() prefills each prompt on its own (cost Σ over prompts); the batched program
+    over all slots gives the same tokens, with and without a drafter (whose context cache
+    both fill), greedy and sampled (same seeds)."""
+    cfg = ds.DrafterConfig.for_target(target.cfg, num_feature_layers=2, block_size=4, num_layers=1, markov_rank=8)
+    drafter = ds.Drafter.random(cfg, seed=4)
+    ps = prompts([3, 150, 41, 9, 77], seed=6)
+    sp = ds.SamplingParams(temperature=temperature, max_new_tokens=12, ignore_eos=True, seed=11)
+    for d in (None, drafter, ds.NgramDrafter(block_size=4)):
+        per = ds.generate(target, ps, drafter=d, sampling=sp, prefill_chunk=64)
+        bat = ds.generate(target, ps, drafter=d, sampling=sp, prefill_chunk=64, batched_prefill=True)
+        assert per.token_ids == bat.token_ids
+        assert per.stats["cycles"] == bat.stats["cycles"]

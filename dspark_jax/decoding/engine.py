@@ -251,22 +251,66 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
 
     init = (jnp.zeros((S,), jnp.int32), st.cache, st.dcache, jnp.zeros((S, V), jnp.float32))
     _, cache, dcache, logits = jax.lax.while_loop(lambda c: jnp.any(c[0] < lens_S), body, init)
-    zeros = jnp.zeros((S,), jnp.int32)
-    first = sample_or_argmax(_fold(st.keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
+    return _first_tokens(st.replace(cache=cache, dcache=dcache), logits, lens_S, sa)
+
+
+def _first_tokens(st: GenState, logits_SV, lens_S, sa: SamplingArrays) -> GenState:
+    """After a prefill: each request samples its first token from its last prompt logits."""
+    zeros = jnp.zeros_like(lens_S)
+    first = sample_or_argmax(_fold(st.keys, zeros), logits_SV, transform_logits(logits_SV, sa), sa.greedy)
     is_stop = jnp.any(first[:, None] == st.stop_ids, -1)
     live = ~st.done
     # Strongly typed int32: a weak-typed n_out would make the decode loop's first call and
     # its later chunks (stop strings) two different programs, i.e. a second compile.
     n_out = jnp.where(live & ~is_stop, 1, 0).astype(jnp.int32)
     return st.replace(
-        cache=cache,
-        dcache=dcache,
         seq_len=lens_S,
         anchor=first,
         out=st.out.at[:, 0].set(jnp.where(live, first, -1)),
         n_out=n_out,
         done=st.done | is_stop | (n_out >= st.max_new),
     )
+
+
+start_decoding = jax.jit(_first_tokens, donate_argnames=("st",))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("tgraph", "drafter", "chunk", "kv_window"), donate_argnames=("cache", "dcache")
+)
+def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, tokens_P, length, *, chunk: int,
+                kv_window=None):
+    """Prefills one request's prompt (`tokens_P[:length]`) into cache row `slot`, `chunk`
+    tokens at a time, and returns (its last token's logits [V], cache, dcache).
+
+    Its cost is the request's own: a [1, chunk] query grid against the window, never the
+    other slots' (a batched prefill pays S × chunk query rows per chunk, which grows with S²
+    over a batch). The slot's cache row is cut out, filled and written back in place (the
+    caches are donated); the drafter's context is appended for this slot only."""
+    target = nnx.merge(tgraph, tstate)
+    feature_layers = drafter.feature_layers if drafter is not None else ()
+    row = KVCache(jax.lax.dynamic_index_in_dim(cache.k, slot, 1), jax.lax.dynamic_index_in_dim(cache.v, slot, 1))
+    P = tokens_P.shape[0]
+    padded = jnp.concatenate([tokens_P, jnp.zeros((chunk,), tokens_P.dtype)])
+
+    def body(c):
+        done, row, dcache, _ = c
+        take = jnp.minimum(chunk, length - done)
+        toks = jax.lax.dynamic_slice_in_dim(padded, jnp.minimum(done, P), chunk)
+        lay = packed_layout(done[None], take[None], chunk, chunk)
+        logits, feats, row = target(row, toks, done[None], take[None], q_max=chunk,
+                                    logits_idx=jnp.maximum(take - 1, 0)[None], feature_layers=feature_layers,
+                                    kv_window=kv_window)
+        if drafter is not None:
+            dcache = append_context(drafter, dparams, dcache, target, feats, jnp.full_like(lay.slot_N, slot),
+                                    lay.pos_N, lay.valid_N, toks)
+        return done + take, row, dcache, logits[0]
+
+    init = (jnp.int32(0), row, dcache, jnp.zeros((target.cfg.vocab_size,), jnp.float32))
+    _, row, dcache, last = jax.lax.while_loop(lambda c: c[0] < length, body, init)
+    cache = KVCache(jax.lax.dynamic_update_index_in_dim(cache.k, row.k, slot, 1),
+                    jax.lax.dynamic_update_index_in_dim(cache.v, row.v, slot, 1))
+    return last, cache, dcache
 
 
 def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok, d_logits,

@@ -25,7 +25,9 @@ from dspark_jax.decoding.engine import (
     can_take_slots,
     decode_loop,
     prefill,
+    prefill_one,
     should_compact,
+    start_decoding,
     take_slots,
     with_sched_state,
 )
@@ -120,6 +122,7 @@ def generate(
     num_draft: int | None = None,
     chunk_cycles: int = 16,
     prefill_chunk: int = 512,
+    batched_prefill: bool = False,
     scheduler="async",
     threshold: float = 0.5,
     step_rates=None,
@@ -140,7 +143,10 @@ def generate(
 
     prefill_chunk: prompt tokens per prefill step (a static size). Prefill memory grows with
     chunk × cache length rather than prompt × cache length; 512 keeps a SmolLM2 prompt at its
-    full 8k context well inside a few GB.
+    full 8k context well inside a few GB. Each prompt is prefilled on its own (`prefill_one`:
+    its query rows against its own context), so prefill costs the sum over the prompts.
+    `batched_prefill=True`: the older single program over all slots' packed prompts (one
+    dispatch, but a [slots, chunk] query grid per chunk; kept for comparison).
 
     windowed_attention: attention (target and drafter) reads only a window of the cache that
     covers every active request's context — 256 positions, doubled as contexts grow — so a
@@ -201,11 +207,10 @@ def generate(
     # Positions past the cap are only ever written by scratch drafts beyond max_new (dropped).
     T = min(next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128), cfg.max_position_embeddings)
     O = next_pow2(max_new) + K + 1
-    n_prefill = next_pow2(sum(len(x) for x in ids), 16)
     q_prefill = min(next_pow2(max(len(x) for x in ids), 16), cfg.max_position_embeddings)
     if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
-    chunk = min(prefill_chunk, n_prefill)
+    chunk = min(prefill_chunk, q_prefill)  # prompt tokens per prefill step of one request
 
     eos = target.eos_token_ids
     stops = []
@@ -223,8 +228,6 @@ def generate(
     sa = SamplingArrays.from_params(pad_params)
     lens = np.zeros(S, np.int32)
     lens[:B] = [len(x) for x in ids]
-    tokens = np.zeros(n_prefill, np.int32)
-    tokens[: lens.sum()] = np.concatenate(ids)
     max_new_arr = np.ones(S, np.int32)
     max_new_arr[:B] = [sp.max_new_tokens for sp in params]
     seeds = [resolve_seed(sp.seed) for sp in params] + [0] * (S - B)  # padding rows: any fixed key
@@ -252,9 +255,26 @@ def generate(
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
     windows = attention_windows(T) if windowed_attention else []
-    st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens),
-                 jnp.asarray(lens), sa, q_max=q_prefill, chunk=chunk,
-                 kv_window=pick_window(windows, int(lens.max())))
+    kvw = pick_window(windows, int(lens.max()))
+    if batched_prefill:
+        tokens = np.zeros(next_pow2(int(lens.sum()), 16), np.int32)
+        tokens[: lens.sum()] = np.concatenate(ids)
+        st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens), jnp.asarray(lens), sa,
+                     q_max=q_prefill, chunk=min(prefill_chunk, tokens.size), kv_window=kvw)
+    else:
+        # One request at a time, each into its own cache row: cost Σ over the prompts (the
+        # batched program's [S, chunk] query grid grows with S²). One program per batch shape.
+        cache, dcache = st.cache, st.dcache
+        last = []
+        for i, x in enumerate(ids):
+            buf = np.zeros(q_prefill, np.int32)
+            buf[: len(x)] = x
+            lg, cache, dcache = prefill_one(target.graphdef, target.state, drafter, dparams, cache, dcache,
+                                            jnp.int32(i), jnp.asarray(buf), jnp.int32(len(x)), chunk=chunk,
+                                            kv_window=kvw)
+            last.append(lg)
+        logits = jnp.stack(last + [jnp.zeros_like(last[0])] * (S - B))
+        st = start_decoding(st.replace(cache=cache, dcache=dcache), logits, jnp.asarray(lens), sa)
     jax.block_until_ready(st.n_out)
     t1 = time.perf_counter()
     use_host_stops = any(sp.stop for sp in params)
@@ -337,7 +357,7 @@ def generate(
         "tokens_per_s": n_tok / max(t2 - t0 - compile_s, 1e-9),
         "cycles": cycles.tolist(),
         "seeds": seeds[:B],  # what each request ran with (drawn fresh where seed=None): rerun with these
-        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": n_prefill,
+        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": q_prefill,
                     "prefill_chunk": chunk, "attention_windows": [w or T for w in used_windows],
                     "slot_buckets": used_slots},
     }
