@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.engine import GenState, _fold, append_context, decode_loop, with_sched_state
-from dspark_jax.decoding.generate import _loop_settings, attention_windows, encode_prompt, next_pow2, pick_window
+from dspark_jax.decoding.engine import GenState, append_context, decode_loop, fold_keys, request_stop_ids
+from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_or_argmax, transform_logits
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
@@ -87,7 +87,7 @@ def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, le
     st = st.replace(cache=cache, dcache=dcache, seq_len=jnp.where(chunk_S, starts_S + lens, st.seq_len))
     new_S = final_S & chunk_S
     keys = jnp.where(new_S, keys_S, st.keys)
-    first = sample_or_argmax(_fold(keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
+    first = sample_or_argmax(fold_keys(keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
     is_stop = jnp.any(first[:, None] == stop_ids_SM, -1)
     n_first = jnp.where(is_stop, 0, 1).astype(jnp.int32)
     new2 = new_S[:, None]
@@ -171,32 +171,18 @@ class Engine:
         self.windows = attention_windows(self.T) if windowed_attention else []
         self.cycles_per_step = cycles_per_step
         cfg = target.cfg
-        self.settings, self.sched, self.step_rates = _loop_settings(
+        self.settings, self.sched, self.step_rates = loop_settings(
             target, drafter, policy, scheduler, K, slots, self.T, threshold, step_rates, False)
         O = next_pow2(max_new_tokens) + K + 1
         self.M = 8  # stop ids per request
         self.dparams = drafter.params if drafter is not None else None
         S = slots
-        st = GenState(
-            cache=KVCache.zeros(cfg, S, self.T),
-            dcache=drafter.init_cache(self.dparams, S, self.T) if drafter is not None else None,
-            seq_len=jnp.zeros(S, jnp.int32),
-            anchor=jnp.zeros(S, jnp.int32),
-            out=jnp.full((S, O), -1, jnp.int32),
-            n_out=jnp.zeros(S, jnp.int32),
-            done=jnp.ones(S, bool),
-            max_new=jnp.ones(S, jnp.int32),
-            keys=jax.vmap(jax.random.key)(jnp.zeros(S, jnp.uint32)),
-            stop_ids=jnp.full((S, self.M), -1, jnp.int32),
-            cycles=jnp.zeros(S, jnp.int32),
-            tau_sum=jnp.zeros(S, jnp.int32),
-            reached=jnp.zeros((S, K), jnp.int32),
-            accepted_at=jnp.zeros((S, K), jnp.int32),
-        )
+        st = GenState.create(cfg, drafter, self.dparams, slots=S, cache_len=self.T, out_len=O, num_draft=K,
+                             stop_ids=np.full((S, self.M), -1, np.int32))
         if mesh is not None:
             st = st.replace(cache=_shard_cache(st.cache, mesh),
                             dcache=_shard_cache(st.dcache, mesh) if isinstance(st.dcache, KVCache) else st.dcache)
-        self.st = with_sched_state(st, K)
+        self.st = st
         self.slot_params = [SamplingParams(temperature=0.0)] * S
         self.sa = self._sampling_arrays()
         self.running: dict[int, Request] = {}  # slot → request
@@ -301,9 +287,7 @@ class Engine:
                 sp = req.sampling
                 req.seed = resolve_seed(sp.seed)  # None → fresh, recorded on the request
                 max_new[slot], seeds[slot] = sp.max_new_tokens, req.seed
-                stops = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
-                if not sp.ignore_eos:
-                    stops += [t for t in self.target.eos_token_ids if t not in stops]
+                stops = request_stop_ids(sp, self.target.eos_token_ids)
                 if len(stops) > self.M:
                     raise ValueError(f"request {req.id} has {len(stops)} stop token ids; the engine holds {self.M}")
                 stop_ids[slot, : len(stops)] = stops

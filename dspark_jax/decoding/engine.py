@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.decoding.sampling import SamplingArrays, sample_or_argmax, transform_logits
@@ -57,7 +58,7 @@ class LoopSettings:
     # (conf [S, K], active [S], caps [S], rates [U], buckets) -> lengths [S].
     policy: Any = "fixed"
     buckets: tuple[int, ...] = ()  # packed-token buckets of the scheduled policies, ascending
-    # async: the budget's confidences are calibrated online per slot (see `_cycle`): observed
+    # async: the budget's confidences are calibrated online per slot (see `cycle`): observed
     # acceptances, decayed by `calib_decay` per cycle, against the drafter's own confidences
     # worth `calib_prior` observations.
     calib_decay: float = 0.99
@@ -114,6 +115,57 @@ class GenState:
     drafted_steps: Any = None  # [] of which drafted
     budget_sum: Any = None  # [] Σ packed tokens used (B = R + Σℓ)
     bucket_sum: Any = None  # [] Σ packed tokens paid for (the bucket of each step)
+
+    @classmethod
+    def create(cls, target_cfg, drafter, dparams, *, slots: int, cache_len: int, out_len: int, num_draft: int,
+               active=None, max_new=None, keys=None, stop_ids=None) -> GenState:
+        """The one constructor of a decode state (generate(), the serving engine, calibration):
+        empty caches, no tokens, fresh scheduler state. Slots not `active` [S] start done
+        (default: all done, as in a serving engine before admission); `max_new` [S],
+        `keys` [S] and `stop_ids` [S, M] default to 1, key 0 and no stop ids."""
+        S, K = slots, num_draft
+
+        def zeros():  # a distinct buffer per field: the loop donates its state
+            return jnp.zeros((S,), jnp.int32)
+
+        st = cls(
+            cache=KVCache.zeros(target_cfg, S, cache_len),
+            dcache=drafter.init_cache(dparams, S, cache_len) if drafter is not None else None,
+            seq_len=zeros(),
+            anchor=zeros(),
+            out=jnp.full((S, out_len), -1, jnp.int32),
+            n_out=zeros(),
+            done=jnp.ones((S,), bool) if active is None else ~jnp.asarray(active, bool),
+            max_new=jnp.ones((S,), jnp.int32) if max_new is None else jnp.asarray(max_new, jnp.int32),
+            keys=jax.vmap(jax.random.key)(jnp.zeros((S,), jnp.uint32)) if keys is None else keys,
+            stop_ids=jnp.full((S, 1), -1, jnp.int32) if stop_ids is None else jnp.asarray(stop_ids, jnp.int32),
+            cycles=zeros(),
+            tau_sum=zeros(),
+            reached=jnp.zeros((S, K), jnp.int32),
+            accepted_at=jnp.zeros((S, K), jnp.int32),
+        )
+        return with_sched_state(st, K)
+
+
+def request_stop_ids(sp, eos_ids) -> list[int]:
+    """A request's stop token ids: its own, plus the model's EOS ids unless `ignore_eos`."""
+    s = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
+    if not sp.ignore_eos:
+        s += [t for t in eos_ids if t not in s]
+    return s
+
+
+def stop_id_table(params, eos_ids, slots: int, width: int | None = None) -> np.ndarray:
+    """[slots, M] stop ids of each request (row i for params[i]), −1 padded; M = `width` or
+    the longest list. Rows past len(params) stay empty."""
+    stops = [request_stop_ids(sp, eos_ids) for sp in params]
+    M = width or max(1, max((len(s) for s in stops), default=1))
+    table = np.full((slots, M), -1, np.int32)
+    for i, s in enumerate(stops):
+        if len(s) > M:
+            raise ValueError(f"request {i} has {len(s)} stop token ids; at most {M} fit")
+        table[i, : len(s)] = s
+    return table
 
 
 def with_sched_state(st: GenState, num_draft: int) -> GenState:
@@ -192,7 +244,8 @@ def append_context(drafter, dparams, dcache, target, feats_NF, slot_N, pos_N, va
     return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N)
 
 
-def _fold(keys, data):
+def fold_keys(keys, data):
+    """Per-slot `jax.random.fold_in`: one key per request, folded with per-slot data."""
     return jax.vmap(jax.random.fold_in)(keys, data)
 
 
@@ -257,7 +310,7 @@ def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa
 def _first_tokens(st: GenState, logits_SV, lens_S, sa: SamplingArrays) -> GenState:
     """After a prefill: each request samples its first token from its last prompt logits."""
     zeros = jnp.zeros_like(lens_S)
-    first = sample_or_argmax(_fold(st.keys, zeros), logits_SV, transform_logits(logits_SV, sa), sa.greedy)
+    first = sample_or_argmax(fold_keys(st.keys, zeros), logits_SV, transform_logits(logits_SV, sa), sa.greedy)
     is_stop = jnp.any(first[:, None] == st.stop_ids, -1)
     live = ~st.done
     # Strongly typed int32: a weak-typed n_out would make the decode loop's first call and
@@ -342,15 +395,15 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
     return accepted, emitted, cache, dcache
 
 
-def _cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: LoopSettings,
+def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: LoopSettings,
            sched: SchedArrays | None):
     S = st.seq_len.shape[0]
     K = settings.num_draft
     rows = jnp.arange(S)
     active = ~st.done
-    kc = _fold(st.keys, st.seq_len)  # seq_len is unique per cycle of a request
-    kd = _fold(kc, jnp.ones_like(st.seq_len))
-    kv = _fold(kc, jnp.full_like(st.seq_len, 2))
+    kc = fold_keys(st.keys, st.seq_len)  # seq_len is unique per cycle of a request
+    kd = fold_keys(kc, jnp.ones_like(st.seq_len))
+    kv = fold_keys(kc, jnp.full_like(st.seq_len, 2))
     remaining = st.max_new - st.n_out
     caps = jnp.where(active, jnp.clip(jnp.minimum(K, remaining - 1), 0, K), 0)
     V = target.cfg.vocab_size
@@ -471,7 +524,7 @@ def decode_loop(tgraph, tstate, drafter, dparams, st: GenState, sa: SamplingArra
 
     def body(c):
         i, s = c
-        return i + 1, _cycle(target, drafter, dparams, s, sa, settings, sched)
+        return i + 1, cycle(target, drafter, dparams, s, sa, settings, sched)
 
     _, st = jax.lax.while_loop(cond, body, (jnp.int32(0), st))
     return st

@@ -28,15 +28,14 @@ from dspark_jax.decoding.engine import (
     prefill_one,
     should_compact,
     start_decoding,
+    stop_id_table,
     take_slots,
-    with_sched_state,
 )
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
 from dspark_jax.models.target import Target
-from dspark_jax.models.transformer import KVCache
 
 POLICIES = (None, "ar", "fixed", "dspark", "threshold")
 SCHEDULERS = ("async", "sync")
@@ -212,17 +211,7 @@ def generate(
         raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     chunk = min(prefill_chunk, q_prefill)  # prompt tokens per prefill step of one request
 
-    eos = target.eos_token_ids
-    stops = []
-    for sp in params:
-        s = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
-        if not sp.ignore_eos:
-            s += [t for t in eos if t not in s]
-        stops.append(s)
-    M = max(1, max(len(s) for s in stops))
-    stop_ids = np.full((S, M), -1, np.int32)
-    for i, s in enumerate(stops):
-        stop_ids[i, : len(s)] = s
+    stop_ids = stop_id_table(params, target.eos_token_ids, S)
 
     pad_params = params + [SamplingParams(temperature=0.0)] * (S - B)
     sa = SamplingArrays.from_params(pad_params)
@@ -233,24 +222,9 @@ def generate(
     seeds = [resolve_seed(sp.seed) for sp in params] + [0] * (S - B)  # padding rows: any fixed key
     keys = request_keys(seeds)
     dparams = drafter.params if drafter is not None else None
-    st = GenState(
-        cache=KVCache.zeros(cfg, S, T),
-        dcache=drafter.init_cache(dparams, S, T) if drafter is not None else None,
-        seq_len=jnp.zeros(S, jnp.int32),
-        anchor=jnp.zeros(S, jnp.int32),
-        out=jnp.full((S, O), -1, jnp.int32),
-        n_out=jnp.zeros(S, jnp.int32),
-        done=jnp.asarray(np.arange(S) >= B),
-        max_new=jnp.asarray(max_new_arr),
-        keys=keys,
-        stop_ids=jnp.asarray(stop_ids),
-        cycles=jnp.zeros(S, jnp.int32),
-        tau_sum=jnp.zeros(S, jnp.int32),
-        reached=jnp.zeros((S, K), jnp.int32),
-        accepted_at=jnp.zeros((S, K), jnp.int32),
-    )
-    st = with_sched_state(st, K)
-    settings, sched, rates_table = _loop_settings(target, drafter, policy, scheduler, K, S, T, threshold,
+    st = GenState.create(cfg, drafter, dparams, slots=S, cache_len=T, out_len=O, num_draft=K,
+                         active=np.arange(S) < B, max_new=max_new_arr, keys=keys, stop_ids=stop_ids)
+    settings, sched, rates_table = loop_settings(target, drafter, policy, scheduler, K, S, T, threshold,
                                                   step_rates, reprofile)
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
@@ -393,7 +367,7 @@ def _save_rows(final: dict, st: GenState, rows: np.ndarray, which) -> None:
         final[int(rows[r])] = {f: host[f][r] for f in _SAVED}
 
 
-def _loop_settings(target, drafter, policy, scheduler, K, S, T, threshold, step_rates, reprofile):
+def loop_settings(target, drafter, policy, scheduler, K, S, T, threshold, step_rates, reprofile):
     """(LoopSettings, SchedArrays or None, StepRates or None) of a generate() call."""
     if drafter is None or policy == "fixed":
         return LoopSettings(num_draft=K), None, None

@@ -28,12 +28,11 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.drafting import Drafter
-from dspark_jax.decoding.engine import GenState, LoopSettings, _cycle, _fold, prefill, with_sched_state
+from dspark_jax.decoding.engine import GenState, LoopSettings, cycle, fold_keys, prefill, stop_id_table
 from dspark_jax.decoding.generate import encode_prompt, next_pow2
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.models.draft_heads import sample_block
-from dspark_jax.models.transformer import KVCache
 
 # 2^(-3 .. 3) in 48 equal log steps: 49 values on [0.125, 8], 1.0 exactly among them (vLLM's grid).
 DEFAULT_GRID = tuple(float(t) for t in 2.0 ** np.linspace(-3.0, 3.0, 49))
@@ -260,17 +259,17 @@ def _raw_draft(drafter: Drafter, params, cache, target, anchor_S, anchor_pos_S, 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "settings"), donate_argnames=("st",))
 def _collect_step(tgraph, tstate, drafter, dparams, st: GenState, sa, *, settings: LoopSettings):
-    """One engine cycle (`engine._cycle`, unchanged) plus what it saw: raw confidence logits,
+    """One engine cycle (`engine.cycle`, unchanged) plus what it saw: raw confidence logits,
     accepted and verified counts, which slots were live, and whether our re-drafted tokens
     agree with the accepted ones the cycle emitted (they must: same inputs, same keys)."""
     target = nnx.merge(tgraph, tstate)
     K = settings.num_draft
     active = ~st.done
-    kd = _fold(_fold(st.keys, st.seq_len), jnp.ones_like(st.seq_len))  # the draft key `_cycle` uses
+    kd = fold_keys(fold_keys(st.keys, st.seq_len), jnp.ones_like(st.seq_len))  # the draft key `cycle` uses
     toks, _, conf = _raw_draft(drafter, dparams, st.dcache, target, st.anchor, st.seq_len, kd, sa)
     remaining = st.max_new - st.n_out
     nv = jnp.where(active, jnp.clip(jnp.minimum(K, remaining - 1), 0, K), 0)
-    new = _cycle(target, drafter, dparams, st, sa, settings, None)
+    new = cycle(target, drafter, dparams, st, sa, settings, None)
     accepted = jnp.where(active, new.seq_len - st.seq_len - 1, 0)
     emitted = jax.vmap(lambda o, i: jax.lax.dynamic_slice(o, (i,), (K,)))(new.out, st.n_out)
     j = jnp.arange(K)[None]
@@ -280,19 +279,12 @@ def _collect_step(tgraph, tstate, drafter, dparams, st: GenState, sa, *, setting
 
 def _run_cycles(target, drafter: Drafter, ids: list[list[int]], params: list[SamplingParams]):
     """Prefill + cycles (γ drafts each) for one batch; returns (final GenState, per-cycle records)."""
-    cfg = target.cfg
     B, K = len(ids), drafter.block_size
     S = next_pow2(B)
     max_new = max(sp.max_new_tokens for sp in params)
     T = next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128)
     O = next_pow2(max_new) + K + 1
-    stops = []
-    for sp in params:
-        s = list(sp.stop_token_ids) if sp.stop_token_ids is not None else []
-        stops.append(s + ([t for t in target.eos_token_ids if t not in s] if not sp.ignore_eos else []))
-    stop_ids = np.full((S, max(1, max(len(s) for s in stops))), -1, np.int32)
-    for i, s in enumerate(stops):
-        stop_ids[i, : len(s)] = s
+    stop_ids = stop_id_table(params, target.eos_token_ids, S)
     pad = params + [SamplingParams(temperature=0.0)] * (S - B)
     sa = SamplingArrays.from_params(pad)
     lens = np.zeros(S, np.int32)
@@ -302,16 +294,10 @@ def _run_cycles(target, drafter: Drafter, ids: list[list[int]], params: list[Sam
     max_new_arr = np.ones(S, np.int32)
     max_new_arr[:B] = [sp.max_new_tokens for sp in params]
     dparams = drafter.params
-    st = GenState(
-        cache=KVCache.zeros(cfg, S, T), dcache=drafter.init_cache(dparams, S, T),
-        seq_len=jnp.zeros(S, jnp.int32), anchor=jnp.zeros(S, jnp.int32), out=jnp.full((S, O), -1, jnp.int32),
-        n_out=jnp.zeros(S, jnp.int32), done=jnp.asarray(np.arange(S) >= B), max_new=jnp.asarray(max_new_arr),
-        # The engine's own seed → key rule (any int; None = fresh), so sampled cycles match generate's.
-        keys=request_keys([resolve_seed(sp.seed) for sp in params] + [0] * (S - B)),
-        stop_ids=jnp.asarray(stop_ids), cycles=jnp.zeros(S, jnp.int32), tau_sum=jnp.zeros(S, jnp.int32),
-        reached=jnp.zeros((S, K), jnp.int32), accepted_at=jnp.zeros((S, K), jnp.int32),
-    )
-    st = with_sched_state(st, K)
+    # The engine's own seed → key rule (any int; None = fresh), so sampled cycles match generate's.
+    keys = request_keys([resolve_seed(sp.seed) for sp in params] + [0] * (S - B))
+    st = GenState.create(target.cfg, drafter, dparams, slots=S, cache_len=T, out_len=O, num_draft=K,
+                         active=np.arange(S) < B, max_new=max_new_arr, keys=keys, stop_ids=stop_ids)
     st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens), jnp.asarray(lens), sa,
                  q_max=next_pow2(max(len(x) for x in ids), 16))
     settings = LoopSettings(num_draft=K)
@@ -321,7 +307,7 @@ def _run_cycles(target, drafter: Drafter, ids: list[list[int]], params: list[Sam
                                                        settings=settings)
         if not bool(agree):
             raise RuntimeError("re-drafted tokens differ from the engine's; the draft key derivation "
-                               "in engine._cycle changed and _collect_step must follow it")
+                               "in engine.cycle changed and _collect_step must follow it")
         records.append(tuple(np.asarray(x) for x in (conf, acc, nv, live)))
     return st, records
 
