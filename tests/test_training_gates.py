@@ -138,3 +138,38 @@ def test_loss_config_refuses_bad_values():
         LossConfig(alpha_ce=0, alpha_tv=0, alpha_conf=0, alpha_kl=0)
     with pytest.raises(ValueError, match="decay"):
         LossConfig(decay=0)
+
+
+@pytest.mark.parametrize("labels", ["data", "target"])
+def test_target_over_proposal_equals_full_when_the_draft_vocabulary_is_everything(labels):
+    """With V′ = V (a permutation of every id), the target restricted to V′ and renormalised
+    is the target itself: the cheap path's loss equals the full one."""
+    from flax import nnx
+
+    from dspark_jax.models.drafter import DSparkDrafter
+
+    cfg = ds.ModelConfig.tiny(num_layers=2)
+    target = sharpen(ds.Target.random(cfg, seed=1), seed=1)
+    V = cfg.vocab_size
+    dcfg = DrafterConfig.for_target(cfg, num_feature_layers=2, block_size=4, num_layers=1, markov_rank=8,
+                                    draft_vocab_size=V)
+
+    def build():
+        m = DSparkDrafter(dcfg, rngs=nnx.Rngs(0))
+        m.draft_ids.set_value(jnp.asarray(np.random.default_rng(0).permutation(V), jnp.int32))
+        return m
+
+    tx = ts.OptimConfig(total_steps=1).optimizer()
+    dg, st, rest = ts.init_sharded(build, tx)
+    rng = np.random.default_rng(1)
+    ex = [make_example(rng.integers(3, V, 40), [0] * 8 + [1] * 32, seq_len=40, num_anchors=8, block_size=4,
+                       rng=rng) for _ in range(2)]
+    batch = {k: jnp.asarray(np.stack([e[k] for e in ex])) for k in ("tokens", "anchors", "block_mask")}
+    out = {}
+    for cheap in (False, True):
+        loss = LossConfig(alpha_ce=1.0, alpha_tv=0.5, alpha_conf=1.0, alpha_kl=1.0, labels=labels,
+                          target_over_proposal=cheap)
+        out[cheap] = ts.eval_step(st.params, rest, target.state, batch, dgraph=dg, tgraph=target.graphdef,
+                                  feature_layers=dcfg.target_layer_ids, loss=loss)
+    for k in ("loss", "ce", "tv", "kl", "conf_bce", "greedy_tau"):
+        np.testing.assert_allclose(float(out[True][k]), float(out[False][k]), rtol=2e-5, atol=1e-6, err_msg=k)

@@ -44,6 +44,7 @@ class TrainConfig:
     alpha_conf: float = 1.0
     alpha_kl: float = 0.0
     loss_labels: str = "data"  # data | target
+    loss_target_over_proposal: bool = False  # the target's distribution over the draft vocabulary only
     # Optimisation.
     seq_len: int = 512
     num_anchors: int = 32
@@ -72,7 +73,8 @@ class TrainConfig:
         from dspark_jax.training.losses import LossConfig
 
         return LossConfig(decay=self.loss_decay, alpha_ce=self.alpha_ce, alpha_tv=self.alpha_tv,
-                          alpha_conf=self.alpha_conf, alpha_kl=self.alpha_kl, labels=self.loss_labels)
+                          alpha_conf=self.alpha_conf, alpha_kl=self.alpha_kl, labels=self.loss_labels,
+                          target_over_proposal=self.loss_target_over_proposal)
 
     def replace(self, **kw) -> TrainConfig:
         return dataclasses.replace(self, **kw)

@@ -35,6 +35,12 @@ class LossConfig:
     target would say.
     """
     decay: float = 4.0  # λ
+    # With a draft vocabulary: the target's distribution over it only, renormalised (EAGLE-3's
+    # choice), and its argmax there as the "target" label — the target's LM head over V′
+    # instead of V (6× fewer FLOPs for SmolLM2's 49k → 8k), the step's largest matmul. A
+    # position whose true argmax lies outside V′ can never be accepted anyway; TV and the
+    # confidence label then ignore the mass outside V′ (slightly optimistic).
+    target_over_proposal: bool = False
     alpha_ce: float = 0.1
     alpha_tv: float = 0.9
     alpha_conf: float = 1.0

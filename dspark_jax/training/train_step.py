@@ -108,6 +108,9 @@ def _loss(params, dgraph, rest, tgraph, tstate, batch, feats_BTF, last_BTD, loss
     # scores from its hidden state at anchor + k.
     pos = jnp.clip(anchors[..., None] + jnp.arange(G), 0, T - 1)  # [B, A, G]
     h = jnp.take_along_axis(last_BTD, pos.reshape(B, -1)[..., None], 1)  # [B, AG, D]
+    ids = drafter.proposal_ids
+    if loss.target_over_proposal and ids is not None:
+        return _loss_over_proposal(drafter, target, lm, feats_BTF, tokens, anchors, bmask, h, pos, loss)
     tl = target.unembed(h.astype(last_BTD.dtype))  # [B, AG, V] fp32
     logp_t = jax.nn.log_softmax(tl, -1).reshape(pos.shape + (V,))
     if loss.labels == "target":
@@ -119,7 +122,6 @@ def _loss(params, dgraph, rest, tgraph, tstate, batch, feats_BTF, last_BTD, loss
         labels = jnp.take_along_axis(tokens, jnp.clip(pos + 1, 0, T - 1).reshape(B, -1), 1).reshape(pos.shape)
         prev = None
     logits, conf = forward_train(drafter, target.embed_tokens[...], lm, feats_BTF, tokens, anchors, prev_BAG=prev)
-    ids = drafter.proposal_ids
     if ids is None:
         logp_t_p, in_mass = logp_t, jnp.ones(pos.shape, jnp.float32)
         lab_p, lab_in = labels, jnp.ones(pos.shape, jnp.float32)
@@ -132,6 +134,32 @@ def _loss(params, dgraph, rest, tgraph, tstate, batch, feats_BTF, last_BTD, loss
         lab_p = jnp.maximum(lab_p, 0)
     logp_t_p = jax.lax.stop_gradient(logp_t_p)
     return dspark_loss(logits, conf, logp_t_p, jax.lax.stop_gradient(in_mass), lab_p, lab_in, bmask,
+                       decay=loss.decay, alpha=loss.alpha)
+
+
+def _loss_over_proposal(drafter, target, lm, feats_BTF, tokens, anchors, bmask, h, pos, loss: LossConfig):
+    """`LossConfig.target_over_proposal`: the target's distribution over the draft vocabulary
+    only (renormalised); labels from the data, or its argmax over V′."""
+    B, T = tokens.shape
+    ids = drafter.proposal_ids
+    hn = target.norm(h.astype(jnp.float32))
+    tl = jnp.einsum("...d,dv->...v", hn, jnp.take(lm, ids, axis=1), preferred_element_type=jnp.float32)
+    logp_t_p = jax.lax.stop_gradient(jax.nn.log_softmax(tl, -1).reshape(pos.shape + (ids.shape[0],)))
+    if loss.labels == "target":
+        lab_p = jnp.argmax(logp_t_p, -1).astype(jnp.int32)
+        lab_in = jnp.ones(pos.shape, jnp.float32)
+        anchor_tok = jnp.take_along_axis(tokens, jnp.clip(anchors, 0, T - 1), 1)
+        prev = jnp.concatenate([anchor_tok[..., None], ids[lab_p][..., :-1]], -1)
+    else:
+        labels = jnp.take_along_axis(tokens, jnp.clip(pos + 1, 0, T - 1).reshape(B, -1), 1).reshape(pos.shape)
+        V = drafter.cfg.vocab_size
+        where = jnp.full((V,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+        lab_p = where[labels]
+        lab_in = (lab_p >= 0).astype(jnp.float32)
+        lab_p = jnp.maximum(lab_p, 0)
+        prev = None
+    logits, conf = forward_train(drafter, target.embed_tokens[...], lm, feats_BTF, tokens, anchors, prev_BAG=prev)
+    return dspark_loss(logits, conf, logp_t_p, jnp.ones(pos.shape, jnp.float32), lab_p, lab_in, bmask,
                        decay=loss.decay, alpha=loss.alpha)
 
 
