@@ -111,6 +111,9 @@ def main(argv=None):
                     help="also the DSpark drafter with this top-k sequential bias (τ column)")
     ap.add_argument("--scan-layers", action="store_true", help="target layers under lax.scan (faster compile)")
     ap.add_argument("--ngram", action="store_true", help="also prompt lookup (ds.NgramDrafter), τ and speed")
+    ap.add_argument("--hybrid", action="store_true", help="also the hybrid (lookup on long matches, DSpark elsewhere)")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
+                    help="another drafter for the τ table (repeatable), e.g. previous=runs/old_drafter")
     ap.add_argument("--policy", default="dspark", help="verification policy of the speed table (dspark | fixed)")
     args = ap.parse_args(argv)
     target = ds.load_target(args.target, scan_layers=args.scan_layers)
@@ -121,8 +124,13 @@ def main(argv=None):
             d.cfg.replace(draft_topk=args.topk_variant), d.graphdef, d.state)
     if args.baseline:
         drafters["DFlash"] = ds.load_drafter(args.baseline, target)
+    for item in args.extra:
+        name, path = item.split("=", 1)
+        drafters[name] = ds.load_drafter(path, target)
     if args.ngram:
         drafters["prompt lookup"] = ds.NgramDrafter(block_size=drafters["DSpark"].block_size)
+    if args.hybrid:
+        drafters["hybrid"] = ds.HybridDrafter(drafters["DSpark"])
     print(f"# {hardware()}; {machine_load()} at start")
     if not args.skip_tau:
         print(f"\n## τ ({args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, γ = "
@@ -131,7 +139,7 @@ def main(argv=None):
     if not args.skip_speed:
         print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved, "
               f"policy {args.policy})\n")
-        speed = {k: v for k, v in drafters.items() if k in ("DSpark", "prompt lookup")}
+        speed = {k: v for k, v in drafters.items() if k in ("DSpark", "prompt lookup", "hybrid")}
         print(speed_table(target, speed, args.speed_prompts, args.max_new_tokens, policy=args.policy))
     print(f"\n{machine_load()} at end")
 

@@ -25,7 +25,6 @@ Letter legend: S slots, P admission tokens, T cache length, O output buffer, M s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import time
 from collections import deque
@@ -35,14 +34,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from dspark_jax.decoding.engine import GenState, append_context, decode_loop, fold_keys, request_stop_ids
+from dspark_jax.decoding.decode_loop import GenState, decode_loop, request_stop_ids
 from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
-from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_or_argmax, transform_logits
+from dspark_jax.decoding.prefill import admit
+from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
-from dspark_jax.models.transformer import KVCache, packed_layout
+from dspark_jax.models.transformer import KVCache
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,56 +61,6 @@ class Request:
     started_at: float | None = None
     finished_at: float | None = None
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "q_max"), donate_argnames=("st",))
-def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, lens_S, chunk_S, final_S,
-          max_new_S, keys_S, stop_ids_SM, sa: SamplingArrays, *, q_max):
-    """Prefills one chunk of prompt for each slot in `chunk_S` (`lens_S` tokens at positions
-    `starts_S`..., packed slot-major in `tokens_P`); the slots in `final_S` (their prompt is
-    now complete) sample their first token and start decoding. Every other slot's state,
-    cache included, is untouched (its packed count is 0, so nothing of it is written)."""
-    target = nnx.merge(tgraph, tstate)
-    S = lens_S.shape[0]
-    zeros = jnp.zeros((S,), jnp.int32)
-    lens = jnp.where(chunk_S, lens_S, 0)
-    feature_layers = drafter.feature_layers if drafter is not None else ()
-    idx = jnp.maximum(jnp.cumsum(lens) - 1, 0)
-    logits, feats, cache = target(st.cache, tokens_P, starts_S, lens, q_max=q_max, logits_idx=idx,
-                                  feature_layers=feature_layers)
-    dcache = st.dcache
-    if drafter is not None:
-        lay = packed_layout(starts_S, lens, tokens_P.shape[0], q_max)
-        dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N,
-                                tokens_P)
-    st = st.replace(cache=cache, dcache=dcache, seq_len=jnp.where(chunk_S, starts_S + lens, st.seq_len))
-    new_S = final_S & chunk_S
-    keys = jnp.where(new_S, keys_S, st.keys)
-    first = sample_or_argmax(fold_keys(keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
-    is_stop = jnp.any(first[:, None] == stop_ids_SM, -1)
-    n_first = jnp.where(is_stop, 0, 1).astype(jnp.int32)
-    new2 = new_S[:, None]
-
-    def pick(fresh, old):
-        return jnp.where(new_S.reshape((S,) + (1,) * (old.ndim - 1)), fresh, old)
-
-    return st.replace(
-        anchor=pick(first, st.anchor),
-        out=jnp.where(new2, jnp.full_like(st.out, -1).at[:, 0].set(first), st.out),
-        n_out=pick(n_first, st.n_out),
-        done=pick(is_stop | (n_first >= max_new_S), st.done),
-        max_new=pick(max_new_S, st.max_new),
-        keys=keys,
-        stop_ids=pick(stop_ids_SM, st.stop_ids),
-        cycles=pick(zeros, st.cycles),
-        tau_sum=pick(zeros, st.tau_sum),
-        reached=pick(jnp.zeros_like(st.reached), st.reached),
-        accepted_at=pick(jnp.zeros_like(st.accepted_at), st.accepted_at),
-        verified=pick(zeros, st.verified),
-        prev_conf=pick(jnp.ones_like(st.prev_conf), st.prev_conf),
-        acc_w=pick(jnp.zeros_like(st.acc_w), st.acc_w),
-        reach_w=pick(jnp.zeros_like(st.reach_w), st.reach_w),
-    )
 
 
 def place_on_mesh(target, drafter, mesh):

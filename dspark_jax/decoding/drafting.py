@@ -1,4 +1,4 @@
-"""Drafters as the decoding engine sees them (see `engine.py` for the interface).
+"""Drafters as the decoding engine sees them (see `decode_loop.py` for the interface).
 
 - `Drafter`: a loaded DSpark/DFlash drafter (config + split NNX state) with a per-slot
   context cache of projected target features. Each cycle appends only the features of the

@@ -18,19 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding import compile_stats
-from dspark_jax.decoding.engine import (
+from dspark_jax.decoding.decode_loop import (
     GenState,
     LoopSettings,
     SchedArrays,
     can_take_slots,
     decode_loop,
-    prefill,
-    prefill_one,
     should_compact,
-    start_decoding,
     stop_id_table,
     take_slots,
 )
+from dspark_jax.decoding.prefill import prefill, prefill_one, start_decoding
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed

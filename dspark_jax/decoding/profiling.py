@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.engine import verify_bucket
+from dspark_jax.decoding.decode_loop import verify_bucket
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.models.transformer import KVCache
 

@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.decoding.decode_loop import GenState, LoopSettings, cycle, fold_keys, stop_id_table
 from dspark_jax.decoding.drafting import Drafter
-from dspark_jax.decoding.engine import GenState, LoopSettings, cycle, fold_keys, prefill, stop_id_table
 from dspark_jax.decoding.generate import encode_prompt, next_pow2
+from dspark_jax.decoding.prefill import prefill
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.models.draft_heads import sample_block

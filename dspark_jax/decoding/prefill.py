@@ -1,0 +1,184 @@
+"""Prefill: prompts into the KV cache, and each request's first token.
+
+- `prefill_one` (what `generate()` uses): one request at a time into its own cache row, in
+  chunks — its query rows against its own context, so a batch costs the sum over its
+  prompts; `start_decoding` then samples every request's first token.
+- `prefill`: all slots' packed prompts in one program (a [slots, chunk] query grid per
+  chunk; kept for comparison, `generate(batched_prefill=True)`) and for calibration.
+- `admit`: the serving engine's admission — one chunk of prompt for some slots while the
+  others keep their state, and the slots whose prompt completes start decoding.
+
+Letter legend: as in `decode_loop.py`; P admission tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.decoding.decode_loop import GenState, append_context, fold_keys
+from dspark_jax.decoding.sampling import SamplingArrays, sample_or_argmax, transform_logits
+from dspark_jax.models.transformer import KVCache, packed_layout
+
+
+def _chunk_take(remaining_S, budget: int):
+    """Slot-major split of a token budget: each slot takes what it still needs, in slot order."""
+    before = jnp.cumsum(remaining_S) - remaining_S
+    return jnp.clip(budget - before, 0, remaining_S)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("tgraph", "drafter", "q_max", "chunk", "kv_window"), donate_argnames=("st",)
+)
+def prefill(tgraph, tstate, drafter, dparams, st: GenState, tokens_N, lens_S, sa: SamplingArrays, *, q_max,
+            chunk=None, kv_window=None):
+    """Runs the prompts (slot-major in `tokens_N`) and samples each request's first token.
+
+    The prompts go through the packed step `chunk` tokens at a time (a `lax.while_loop`, so
+    one compiled program serves any prompt length in the bucket): each step's attention
+    scores are [S, H, min(q_max, chunk), T] instead of [S, H, prompt, T], which keeps memory
+    bounded for long prompts. Each chunk continues every unfinished slot where the previous
+    one stopped (starts > 0), slot-major, so a chunk may hold the end of one prompt and the
+    start of the next. `chunk=None`: the whole packed buffer in one step. `kv_window`
+    (≥ the longest prompt): attention reads only that many cache positions.
+    """
+    target = nnx.merge(tgraph, tstate)
+    S = lens_S.shape[0]
+    V = target.cfg.vocab_size
+    feature_layers = drafter.feature_layers if drafter is not None else ()
+    chunk = tokens_N.shape[0] if chunk is None else chunk
+    offs_S = jnp.cumsum(lens_S) - lens_S  # where each prompt starts in tokens_N
+    qc = min(q_max, chunk)
+
+    def body(c):
+        done_S, cache, dcache, last_SV = c
+        take_S = _chunk_take(lens_S - done_S, chunk)
+        lay = packed_layout(done_S, take_S, chunk, qc)
+        src = jnp.clip(offs_S[lay.slot_N] + lay.pos_N, 0, tokens_N.shape[0] - 1)
+        toks = jnp.where(lay.valid_N, tokens_N[src], 0)
+        idx = jnp.maximum(jnp.cumsum(take_S) - 1, 0)  # each slot's last token in this chunk
+        logits, feats, cache = target(cache, toks, done_S, take_S, q_max=qc, logits_idx=idx,
+                                      feature_layers=feature_layers, kv_window=kv_window)
+        if drafter is not None:
+            dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N,
+                                    toks)
+        finished = (take_S > 0) & (done_S + take_S == lens_S)
+        last_SV = jnp.where(finished[:, None], logits, last_SV)
+        return done_S + take_S, cache, dcache, last_SV
+
+    init = (jnp.zeros((S,), jnp.int32), st.cache, st.dcache, jnp.zeros((S, V), jnp.float32))
+    _, cache, dcache, logits = jax.lax.while_loop(lambda c: jnp.any(c[0] < lens_S), body, init)
+    return first_tokens(st.replace(cache=cache, dcache=dcache), logits, lens_S, sa)
+
+
+def first_tokens(st: GenState, logits_SV, lens_S, sa: SamplingArrays) -> GenState:
+    """After a prefill: each request samples its first token from its last prompt logits."""
+    zeros = jnp.zeros_like(lens_S)
+    first = sample_or_argmax(fold_keys(st.keys, zeros), logits_SV, transform_logits(logits_SV, sa), sa.greedy)
+    is_stop = jnp.any(first[:, None] == st.stop_ids, -1)
+    live = ~st.done
+    # Strongly typed int32: a weak-typed n_out would make the decode loop's first call and
+    # its later chunks (stop strings) two different programs, i.e. a second compile.
+    n_out = jnp.where(live & ~is_stop, 1, 0).astype(jnp.int32)
+    return st.replace(
+        seq_len=lens_S,
+        anchor=first,
+        out=st.out.at[:, 0].set(jnp.where(live, first, -1)),
+        n_out=n_out,
+        done=st.done | is_stop | (n_out >= st.max_new),
+    )
+
+
+start_decoding = jax.jit(first_tokens, donate_argnames=("st",))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("tgraph", "drafter", "chunk", "kv_window"), donate_argnames=("cache", "dcache")
+)
+def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, tokens_P, length, *, chunk: int,
+                kv_window=None):
+    """Prefills one request's prompt (`tokens_P[:length]`) into cache row `slot`, `chunk`
+    tokens at a time, and returns (its last token's logits [V], cache, dcache).
+
+    Its cost is the request's own: a [1, chunk] query grid against the window, never the
+    other slots' (a batched prefill pays S × chunk query rows per chunk, which grows with S²
+    over a batch). The slot's cache row is cut out, filled and written back in place (the
+    caches are donated); the drafter's context is appended for this slot only."""
+    target = nnx.merge(tgraph, tstate)
+    feature_layers = drafter.feature_layers if drafter is not None else ()
+    row = KVCache(jax.lax.dynamic_index_in_dim(cache.k, slot, 1), jax.lax.dynamic_index_in_dim(cache.v, slot, 1))
+    P = tokens_P.shape[0]
+    padded = jnp.concatenate([tokens_P, jnp.zeros((chunk,), tokens_P.dtype)])
+
+    def body(c):
+        done, row, dcache, _ = c
+        take = jnp.minimum(chunk, length - done)
+        toks = jax.lax.dynamic_slice_in_dim(padded, jnp.minimum(done, P), chunk)
+        lay = packed_layout(done[None], take[None], chunk, chunk)
+        logits, feats, row = target(row, toks, done[None], take[None], q_max=chunk,
+                                    logits_idx=jnp.maximum(take - 1, 0)[None], feature_layers=feature_layers,
+                                    kv_window=kv_window)
+        if drafter is not None:
+            dcache = append_context(drafter, dparams, dcache, target, feats, jnp.full_like(lay.slot_N, slot),
+                                    lay.pos_N, lay.valid_N, toks)
+        return done + take, row, dcache, logits[0]
+
+    init = (jnp.int32(0), row, dcache, jnp.zeros((target.cfg.vocab_size,), jnp.float32))
+    _, row, dcache, last = jax.lax.while_loop(lambda c: c[0] < length, body, init)
+    cache = KVCache(jax.lax.dynamic_update_index_in_dim(cache.k, row.k, slot, 1),
+                    jax.lax.dynamic_update_index_in_dim(cache.v, row.v, slot, 1))
+    return last, cache, dcache
+
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "q_max"), donate_argnames=("st",))
+def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, lens_S, chunk_S, final_S,
+          max_new_S, keys_S, stop_ids_SM, sa: SamplingArrays, *, q_max):
+    """Prefills one chunk of prompt for each slot in `chunk_S` (`lens_S` tokens at positions
+    `starts_S`..., packed slot-major in `tokens_P`); the slots in `final_S` (their prompt is
+    now complete) sample their first token and start decoding. Every other slot's state,
+    cache included, is untouched (its packed count is 0, so nothing of it is written)."""
+    target = nnx.merge(tgraph, tstate)
+    S = lens_S.shape[0]
+    zeros = jnp.zeros((S,), jnp.int32)
+    lens = jnp.where(chunk_S, lens_S, 0)
+    feature_layers = drafter.feature_layers if drafter is not None else ()
+    idx = jnp.maximum(jnp.cumsum(lens) - 1, 0)
+    logits, feats, cache = target(st.cache, tokens_P, starts_S, lens, q_max=q_max, logits_idx=idx,
+                                  feature_layers=feature_layers)
+    dcache = st.dcache
+    if drafter is not None:
+        lay = packed_layout(starts_S, lens, tokens_P.shape[0], q_max)
+        dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N,
+                                tokens_P)
+    st = st.replace(cache=cache, dcache=dcache, seq_len=jnp.where(chunk_S, starts_S + lens, st.seq_len))
+    new_S = final_S & chunk_S
+    keys = jnp.where(new_S, keys_S, st.keys)
+    first = sample_or_argmax(fold_keys(keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
+    is_stop = jnp.any(first[:, None] == stop_ids_SM, -1)
+    n_first = jnp.where(is_stop, 0, 1).astype(jnp.int32)
+    new2 = new_S[:, None]
+
+    def pick(fresh, old):
+        return jnp.where(new_S.reshape((S,) + (1,) * (old.ndim - 1)), fresh, old)
+
+    return st.replace(
+        anchor=pick(first, st.anchor),
+        out=jnp.where(new2, jnp.full_like(st.out, -1).at[:, 0].set(first), st.out),
+        n_out=pick(n_first, st.n_out),
+        done=pick(is_stop | (n_first >= max_new_S), st.done),
+        max_new=pick(max_new_S, st.max_new),
+        keys=keys,
+        stop_ids=pick(stop_ids_SM, st.stop_ids),
+        cycles=pick(zeros, st.cycles),
+        tau_sum=pick(zeros, st.tau_sum),
+        reached=pick(jnp.zeros_like(st.reached), st.reached),
+        accepted_at=pick(jnp.zeros_like(st.accepted_at), st.accepted_at),
+        verified=pick(zeros, st.verified),
+        prev_conf=pick(jnp.ones_like(st.prev_conf), st.prev_conf),
+        acc_w=pick(jnp.zeros_like(st.acc_w), st.acc_w),
+        reach_w=pick(jnp.zeros_like(st.reach_w), st.reach_w),
+    )
