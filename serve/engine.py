@@ -4,15 +4,18 @@
     r = eng.submit("Hello", ds.SamplingParams(max_new_tokens=64), on_token=print)
     eng.run()            # or eng.step() from your own loop; eng.cancel(r) at any time
 
-Each `step()` admits queued requests into free slots and prefills prompts in chunks (one
-jitted admission of at most P packed prompt tokens, touching only those slots; a long
-prompt takes several steps while the other slots keep decoding), runs `cycles_per_step` cycles of the
+Each `step()` admits queued requests into free slots and prefills prompts in chunks (at most
+P prompt tokens per step in all, each admitted slot's chunk prefilled on its own against its
+own context — `decoding.prefill.prefill_one` — then one jitted `admit` starts the slots whose
+prompt is complete; a long prompt takes several steps while the other slots keep decoding),
+runs `cycles_per_step` cycles of the
 same on-device loop `generate()` uses (`decode_loop`, with the chosen policy over all active
 slots), then streams the new tokens of every request to its callback and retires finished
 or cancelled requests, freeing their slots.
 
-Static shapes, so steady-state serving compiles nothing: S slots, cache length T, output
-buffer O, an admission buffer of P packed prompt tokens; every sampling filter is compiled
+Static shapes, so steady-state serving compiles nothing (beyond one prefill program per
+attention window, when first reached): S slots, cache length T, output buffer O, prompt
+chunks of P tokens; every sampling filter is compiled
 in, so any mix of temperature / top-k / top-p / min-p reuses the same programs.
 Beyond one chip: `Engine(..., mesh=make_mesh(data=…, tensor=…))` places the target's and
 the drafter's parameters by the serving rules (`dspark_jax.sharding.SERVING_RULES`: weights
@@ -37,7 +40,7 @@ import numpy as np
 
 from dspark_jax.decoding.decode_loop import GenState, decode_loop, request_stop_ids
 from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
-from dspark_jax.decoding.prefill import admit
+from dspark_jax.decoding.prefill import admit, prefill_one
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
@@ -216,21 +219,30 @@ class Engine:
                 req.status, req.slot, req.started_at = "prefilling", slot, time.perf_counter()
                 self.running[slot] = req
         S = self.S
-        starts, lens = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        seq_len = np.zeros(S, np.int32)
         chunk, final = np.zeros(S, bool), np.zeros(S, bool)
         max_new, seeds = np.ones(S, np.int32), [0] * S
         stop_ids = np.full((S, self.M), -1, np.int32)
-        tokens = np.zeros(self.P, np.int32)
+        logits = [None] * S
+        cache, dcache = self.st.cache, self.st.dcache
         used = 0
-        for slot in range(S):  # slot-major packing
+        for slot in range(S):
             req = self.running.get(slot)
             if req is None or req.status != "prefilling" or used == self.P:
                 continue
+            # P prompt tokens per step in all, so a long prompt takes several steps while the
+            # other slots keep decoding; each chunk costs its own rows against its own context.
             n = min(len(req.prompt_ids) - req.prefilled, self.P - used)
-            starts[slot], lens[slot], chunk[slot] = req.prefilled, n, True
-            tokens[used: used + n] = req.prompt_ids[req.prefilled: req.prefilled + n]
+            tokens = np.zeros(self.P, np.int32)
+            tokens[:n] = req.prompt_ids[req.prefilled: req.prefilled + n]
+            logits[slot], cache, dcache = prefill_one(
+                self.target.graphdef, self.target.state, self.drafter, self.dparams, cache, dcache, jnp.int32(slot),
+                jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.prefilled), chunk=self.P,
+                kv_window=pick_window(self.windows, req.prefilled + n))
+            chunk[slot] = True
             used += n
             req.prefilled += n
+            seq_len[slot] = req.prefilled
             if req.prefilled == len(req.prompt_ids):
                 final[slot] = True
                 sp = req.sampling
@@ -245,10 +257,11 @@ class Engine:
             return
         if final.any():
             self.sa = self._sampling_arrays()
-        keys = request_keys(seeds)
-        self.st = admit(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
-                        jnp.asarray(tokens), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(chunk),
-                        jnp.asarray(final), jnp.asarray(max_new), keys, jnp.asarray(stop_ids), self.sa, q_max=self.P)
+        V = self.target.cfg.vocab_size
+        logits_SV = jnp.stack([lg if lg is not None else jnp.zeros((V,), jnp.float32) for lg in logits])
+        self.st = admit(self.st.replace(cache=cache, dcache=dcache), logits_SV, jnp.asarray(seq_len),
+                        jnp.asarray(chunk), jnp.asarray(final), jnp.asarray(max_new), request_keys(seeds),
+                        jnp.asarray(stop_ids), self.sa)
         for slot in np.flatnonzero(final):
             self.running[int(slot)].status = "running"
         self._collect()  # first tokens (and requests that stop on them)

@@ -5,8 +5,9 @@
   prompts; `start_decoding` then samples every request's first token.
 - `prefill`: all slots' packed prompts in one program (a [slots, chunk] query grid per
   chunk; kept for comparison, `generate(batched_prefill=True)`) and for calibration.
-- `admit`: the serving engine's admission — one chunk of prompt for some slots while the
-  others keep their state, and the slots whose prompt completes start decoding.
+- `admit`: the serving engine's admission — after `prefill_one` filled a chunk of prompt
+  for some slots (the others keep their state), the slots whose prompt completes start
+  decoding.
 
 Letter legend: as in `decode_loop.py`; P admission tokens.
 """
@@ -98,10 +99,11 @@ start_decoding = jax.jit(first_tokens, donate_argnames=("st",))
 @functools.partial(
     jax.jit, static_argnames=("tgraph", "drafter", "chunk", "kv_window"), donate_argnames=("cache", "dcache")
 )
-def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, tokens_P, length, *, chunk: int,
-                kv_window=None):
-    """Prefills one request's prompt (`tokens_P[:length]`) into cache row `slot`, `chunk`
-    tokens at a time, and returns (its last token's logits [V], cache, dcache).
+def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, tokens_P, length, start=0, *,
+                chunk: int, kv_window=None):
+    """Prefills one request's prompt tokens `tokens_P[:length]` into cache row `slot` at
+    positions `start`.. (0 for a whole prompt; the serving engine admits long prompts in
+    pieces), `chunk` tokens at a time, and returns (the last token's logits [V], cache, dcache).
 
     Its cost is the request's own: a [1, chunk] query grid against the window, never the
     other slots' (a batched prefill pays S × chunk query rows per chunk, which grows with S²
@@ -113,12 +115,14 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
     P = tokens_P.shape[0]
     padded = jnp.concatenate([tokens_P, jnp.zeros((chunk,), tokens_P.dtype)])
 
+    start = jnp.asarray(start, jnp.int32)
+
     def body(c):
-        done, row, dcache, _ = c
+        done, row, dcache, _ = c  # tokens of this call already in the cache
         take = jnp.minimum(chunk, length - done)
         toks = jax.lax.dynamic_slice_in_dim(padded, jnp.minimum(done, P), chunk)
-        lay = packed_layout(done[None], take[None], chunk, chunk)
-        logits, feats, row = target(row, toks, done[None], take[None], q_max=chunk,
+        lay = packed_layout((start + done)[None], take[None], chunk, chunk)
+        logits, feats, row = target(row, toks, (start + done)[None], take[None], q_max=chunk,
                                     logits_idx=jnp.maximum(take - 1, 0)[None], feature_layers=feature_layers,
                                     kv_window=kv_window)
         if drafter is not None:
@@ -134,27 +138,17 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
 
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "q_max"), donate_argnames=("st",))
-def admit(tgraph, tstate, drafter, dparams, st: GenState, tokens_P, starts_S, lens_S, chunk_S, final_S,
-          max_new_S, keys_S, stop_ids_SM, sa: SamplingArrays, *, q_max):
-    """Prefills one chunk of prompt for each slot in `chunk_S` (`lens_S` tokens at positions
-    `starts_S`..., packed slot-major in `tokens_P`); the slots in `final_S` (their prompt is
-    now complete) sample their first token and start decoding. Every other slot's state,
-    cache included, is untouched (its packed count is 0, so nothing of it is written)."""
-    target = nnx.merge(tgraph, tstate)
-    S = lens_S.shape[0]
+@functools.partial(jax.jit, donate_argnames=("st",))
+def admit(st: GenState, logits_SV, seq_len_S, chunk_S, final_S, max_new_S, keys_S, stop_ids_SM,
+          sa: SamplingArrays):
+    """The serving engine's admission, after `prefill_one` filled each admitted slot's chunk
+    of prompt into `st`'s caches: slots in `chunk_S` now hold `seq_len_S` tokens; those in
+    `final_S` (their prompt is complete) sample their first token from `logits_SV` and start
+    decoding with fresh per-slot state. Every other slot is untouched."""
+    S = seq_len_S.shape[0]
     zeros = jnp.zeros((S,), jnp.int32)
-    lens = jnp.where(chunk_S, lens_S, 0)
-    feature_layers = drafter.feature_layers if drafter is not None else ()
-    idx = jnp.maximum(jnp.cumsum(lens) - 1, 0)
-    logits, feats, cache = target(st.cache, tokens_P, starts_S, lens, q_max=q_max, logits_idx=idx,
-                                  feature_layers=feature_layers)
-    dcache = st.dcache
-    if drafter is not None:
-        lay = packed_layout(starts_S, lens, tokens_P.shape[0], q_max)
-        dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, lay.valid_N,
-                                tokens_P)
-    st = st.replace(cache=cache, dcache=dcache, seq_len=jnp.where(chunk_S, starts_S + lens, st.seq_len))
+    logits = logits_SV
+    st = st.replace(seq_len=jnp.where(chunk_S, seq_len_S, st.seq_len))
     new_S = final_S & chunk_S
     keys = jnp.where(new_S, keys_S, st.keys)
     first = sample_or_argmax(fold_keys(keys, zeros), logits, transform_logits(logits, sa), sa.greedy)
