@@ -55,6 +55,9 @@ class TrainConfig:
     warmup_fraction: float = 0.04
     weight_decay: float = 0.0
     clip_norm: float = 1.0
+    # Warm start: the drafter's parameters from the latest checkpoint of this workdir (a fresh
+    # optimizer, schedule and data iterator), e.g. to fine-tune on new data. "" = from scratch.
+    init_from: str = ""
     feature_cache: bool = True  # offline mode: one target forward per sequence, reused every epoch
     seed: int = 0
     # Device mesh (data, fsdp, tensor); -1 = all devices the others leave. One device: no mesh.

@@ -179,6 +179,16 @@ def train(cfg: TrainConfig, workdir: str) -> None:
     it = iter(pipeline)
     mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
                                 options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints))
+    if mgr.latest_step() is None and cfg.init_from:
+        src = ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.init_from, "ckpt")))
+        if src.latest_step() is None:
+            raise FileNotFoundError(f"init_from={cfg.init_from!r} holds no checkpoint")
+        src_step = src.latest_step()
+        restored = src.restore(src_step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))))
+        src.close()
+        state = state.replace(params=restored["state"].params)
+        print(f"[train] parameters from {cfg.init_from} (step {src_step}), fresh optimizer", file=sys.stderr)
     if mgr.latest_step() is not None:
         step = mgr.latest_step()
         restored = mgr.restore(step, args=ocp.args.Composite(

@@ -31,9 +31,11 @@ import jax.numpy as jnp
 from dspark_jax.decoding.sampling import SamplingArrays
 
 # P(draft k survives | its prefix did), by match length 0 .. 4+ (0 = no match: nothing to
-# draft). Measured on SmolLM2's greedy answers to held-out prompts (BENCHMARKS.md,
-# "Prompt lookup"); the async scheduler recalibrates them online per request.
-DEFAULT_CONFIDENCE = (0.0, 0.3, 0.5, 0.6, 0.7)
+# draft), pooled over k: greedy lookup replayed on SmolLM2's greedy answers to 32 held-out
+# ShareGPT prompts (`python -m benchmarks.bench_ngram_prior`; BENCHMARKS.md, "Prompt
+# lookup"; lengths 2 and 3 pooled: 213 cycles). The async scheduler recalibrates them online
+# per request.
+DEFAULT_CONFIDENCE = (0.0, 0.37, 0.70, 0.70, 0.95)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +144,7 @@ class HybridDrafter:
 
     drafter: Any  # a DSpark/DFlash `Drafter`
     ngram: NgramDrafter = None
-    min_match: int = 3
+    min_match: int = 2
 
     def __post_init__(self):
         if self.ngram is None:
