@@ -147,8 +147,10 @@ class Engine:
     def _sampling_arrays(self) -> SamplingArrays:
         # Every filter compiled in (a row with top_k = 0 / top_p = 1 / min_p = 0 is unaffected),
         # so no mix of arriving sampling parameters ever compiles a new program.
+        # `top_k_max` (a static bound on k when every sampled row uses top-k) would vary with the
+        # requests' k, one program per power of two: pinned to 0 (the general path).
         return dataclasses.replace(SamplingArrays.from_params(self.slot_params), use_top_k=True, use_top_p=True,
-                                   use_min_p=True)
+                                   use_min_p=True, top_k_max=0)
 
     # ------------------------------------------------------------------ public API
 

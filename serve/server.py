@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import secrets
@@ -238,31 +237,18 @@ def load_drafter(name: str | None, target):
 
         names = [n for n, t in SHIPPED_DRAFTERS.items() if t == target.name and os.path.isdir(shipped_drafter_path(n))]
         return ds.load_drafter(names[0], target) if names else None
-    if name == "ngram":
-        if not hasattr(ds, "NgramDrafter"):
-            raise ValueError("ngram drafter not available: this version of dspark_jax has no ds.NgramDrafter")
-        d = ds.NgramDrafter()
-        return d.bind(target) if hasattr(d, "bind") else d
-    return ds.load_drafter(name, target)  # a shipped name, a directory, or NAME+ngram (the hybrid)
+    return ds.load_drafter(name, target)  # a shipped name, a directory, 'ngram' or NAME+ngram (the hybrid)
 
 
 def make_engine(args, target, drafter):
     from serve.engine import Engine
-
-    class ServingEngine(Engine):
-        def _sampling_arrays(self):
-            # The engine compiles every sampling filter in, but `SamplingArrays.top_k_max` (a static
-            # bound when every sampled row uses top-k) still varies with the requests' k, and each
-            # power of two would compile a new program; the server pins it to 0 (full sort).
-            sa = super()._sampling_arrays()
-            return dataclasses.replace(sa, top_k_max=0) if getattr(sa, "top_k_max", 0) else sa
 
     policy = args.policy or ("dspark" if drafter is not None else "ar")
     if policy != "ar" and drafter is None:
         raise ValueError(f"--policy {policy} needs a drafter (got --drafter {args.drafter})")
     if args.num_draft is not None and policy != "fixed":
         raise ValueError("--num-draft applies to --policy fixed")
-    return ServingEngine(target, drafter if policy != "ar" else None, slots=args.slots, max_len=args.max_len,
+    return Engine(target, drafter if policy != "ar" else None, slots=args.slots, max_len=args.max_len,
                          max_new_tokens=args.max_tokens_limit, prefill_tokens=args.prefill_tokens, policy=policy,
                          num_draft=args.num_draft, cycles_per_step=args.cycles_per_step)
 
