@@ -10,14 +10,17 @@ matmul chain, and decoding with finished requests (SmolLM2-135M fp32).
    (context 256, window 512) next to the same dense matmuls (Q/K/V/O, MLP, norms, LM head)
    on N tokens with no attention, cache write or grid gather: the difference is what the
    attention machinery costs.
-3. **Finished requests** — `generate()` on 8 requests of which 7 stop after 8 tokens and one
+3. **Decode vs bare chain** — one-token decode steps of S = 1 … 64 requests (context 256)
+   next to the bare chain of S tokens.
+4. **Finished requests** — `generate()` on 8 requests of which 7 stop after 8 tokens and one
    runs 256: with slot compaction (the long request decodes alone in a 1-slot bucket) and
    without (8 slots until the end).
 
 Steps are timed inside one jitted `fori_loop` of 8 steps (as the engine runs them: no
 per-call dispatch), configurations round-robin for `--repeats` rounds; median (min–max).
 
-    python -m benchmarks.bench_context [--repeats 7] [--skip-compaction]
+    python -m benchmarks.bench_context [--repeats 7] [--skip-compaction] [--skip-context] [--skip-packed]
+        [--skip-decode] [--decode-sizes 1,4,16,64] [--scan-layers]
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def context_table(target, repeats):
     return rows, floor, n_bytes, bw
 
 
-def packed_vs_bare(target, repeats, sizes=(1, 2, 4, 8, 16, 32), requests=(1, 8)):
+def packed_vs_bare(target, bare_target, repeats, sizes=(1, 2, 4, 8, 16, 32), requests=(1, 8)):
     configs = {}
     for R in requests:
         for N in sizes:
@@ -128,7 +131,7 @@ def packed_vs_bare(target, repeats, sizes=(1, 2, 4, 8, 16, 32), requests=(1, 8))
                 continue
             configs[("packed", R, N)] = step_loop(target, R, 256, 512, None, q=N // R)
     for N in sizes:
-        configs[("bare", 0, N)] = bare_loop(target, N)
+        configs[("bare", 0, N)] = bare_loop(bare_target, N)
     times = per_step(interleaved(configs, repeats=repeats))
     rows = []
     for kind, R, N in configs:
@@ -136,6 +139,22 @@ def packed_vs_bare(target, repeats, sizes=(1, 2, 4, 8, 16, 32), requests=(1, 8))
             continue
         t, b = median(times[(kind, R, N)]), median(times[("bare", 0, N)])
         rows.append([R, N, spread(times[(kind, R, N)], 1e3), spread(times[("bare", 0, N)], 1e3), f"{t / b:.2f}"])
+    return rows
+
+
+def decode_vs_bare(target, bare_target, repeats, sizes=(1, 4, 16, 64), ctx=256, cache_len=512):
+    """One-token decode steps of S requests (context `ctx`, window = cache) next to the bare
+    chain of S tokens: the issue's "≤ 1.3× the matmuls" ratio for S = 1 … 64."""
+    configs = {}
+    for S in sizes:
+        configs[("decode", S)] = step_loop(target, S, ctx, cache_len, None)
+        configs[("bare", S)] = bare_loop(bare_target, S)
+    times = per_step(interleaved(configs, repeats=repeats))
+    rows = []
+    for S in sizes:
+        t, b = median(times[("decode", S)]), median(times[("bare", S)])
+        rows.append([S, spread(times[("decode", S)], 1e3), spread(times[("bare", S)], 1e3), f"{t / b:.2f}",
+                     f"{S / t:.0f}"])
     return rows
 
 
@@ -167,8 +186,13 @@ def main():
     ap.add_argument("--skip-compaction", action="store_true")
     ap.add_argument("--skip-context", action="store_true")
     ap.add_argument("--skip-packed", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--decode-sizes", default="1,4,16,64")
+    ap.add_argument("--scan-layers", action="store_true", help="the scanned-layers target (default: unrolled)")
     args = ap.parse_args()
-    target = ds.load_target("smollm2-135m")
+    target = ds.load_target("smollm2-135m", scan_layers=args.scan_layers)
+    # The bare chain walks the layers one by one: always from the unrolled target.
+    bare_target = ds.load_target("smollm2-135m") if args.scan_layers else target
     print(f"# SmolLM2-135M-Instruct fp32 — {hardware()}")
     print(f"# before: {machine_load()}\n")
     if not args.skip_context:
@@ -179,7 +203,13 @@ def main():
     if not args.skip_packed:
         print("\n## Packed step vs the bare matmul chain (context 256, cache 512)\n")
         print(table(["requests", "packed tokens", "packed step ms", "bare chain ms", "packed / bare"],
-                    packed_vs_bare(target, args.repeats)), flush=True)
+                    packed_vs_bare(target, bare_target, args.repeats)), flush=True)
+    if not args.skip_decode:
+        sizes = tuple(int(x) for x in args.decode_sizes.split(","))
+        print(f"\n## Decode step of S one-token requests vs the bare chain of S tokens (context 256, cache 512, "
+              f"scan_layers={args.scan_layers})\n")
+        print(table(["requests S", "decode step ms", "bare chain ms", "decode / bare", "tokens / s"],
+                    decode_vs_bare(target, bare_target, args.repeats, sizes)), flush=True)
     if not args.skip_compaction:
         rows, same = compaction_table(target, max(3, args.repeats // 2))
         print(f"\n## 8 requests, 7 stop after 8 tokens, one runs 256 (greedy; outputs identical: {same})\n")

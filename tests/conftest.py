@@ -110,7 +110,47 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-# The training gates run in their own process (tests/test_gates_isolated.py): in one long
-# suite process, XLA:CPU was seen to crash (segfault) compiling their programs after
-# hundreds of others; alone they pass.
+# --------------------------------------------------------------------------- JIT code mappings
+
+# XLA:CPU loads every compiled kernel as its own few memory mappings (code, rodata, data) and
+# keeps them while the executable lives in JAX's caches. A suite compiles thousands of
+# programs in one process; past the kernel's `vm.max_map_count` (65,530 by default) the next
+# mmap fails and the compiler segfaults. When a test leaves the process above half the
+# limit, the compilation caches are dropped (the mappings go with them); later tests
+# recompile what they need.
+
+
+def _count_mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: nothing to bound
+        return 0
+
+
+def _mapping_budget() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 2
+    except (OSError, ValueError):
+        return 32_000
+
+
+_MAPPING_BUDGET = _mapping_budget()
+
+
+@pytest.fixture(autouse=True)
+def _bound_jit_code_mappings():
+    yield
+    if _count_mappings() > _MAPPING_BUDGET:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
+# The training gates run in their own process (tests/test_gates_isolated.py): they train
+# and compile the most programs of any module, and alone they cost what they cost.
 collect_ignore = [] if os.environ.get("DSPARK_GATES_SUBPROCESS") else ["test_training_gates.py"]

@@ -118,7 +118,11 @@ class NgramDrafter:
 
     def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays, **_):
         """→ (tokens [S, G], one-hot draft logits [S, G, V], confidences [S, G])."""
-        tok, n, known = self.lookup(cache, anchor_S, anchor_pos_S)
+        return self.block(self.lookup(cache, anchor_S, anchor_pos_S), target)
+
+    def block(self, found, target):
+        """The draft block of a `lookup` result: tokens, one-hot logits, prior confidences."""
+        tok, n, known = found
         table = jnp.asarray(self.confidence, jnp.float32)
         c = table[jnp.minimum(n, table.shape[0] - 1)]
         # Survival needs the whole prefix: after the first unknown position, nothing survives.
@@ -193,8 +197,9 @@ class HybridDrafter:
     def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays, **kw):
         kv, buf = cache
         t1, l1, c1 = self.drafter.draft(params, kv, target, anchor_S, anchor_pos_S, keys_S, sa, **kw)
-        _, n, _ = self.ngram.lookup(buf, anchor_S, anchor_pos_S)
-        t2, l2, c2 = self.ngram.draft(None, buf, target, anchor_S, anchor_pos_S, keys_S, sa)
+        found = self.ngram.lookup(buf, anchor_S, anchor_pos_S)
+        n = found[1]
+        t2, l2, c2 = self.ngram.block(found, target)
         use = n >= self.min_match  # [S], from the context alone
         tok = jnp.where(use[:, None], t2, t1)
         conf = jnp.where(use[:, None], c2, c1.astype(jnp.float32))

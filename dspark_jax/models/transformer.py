@@ -162,16 +162,21 @@ class Transformer(nnx.Module):
         if cfg.scan_layers:
             gdef, lstate = nnx.split(self.layers)
 
-            def body(x, xs):
-                st, k_l, v_l = xs
+            # The whole stacked cache rides in the carry and each layer scatters into its own
+            # slice: XLA updates the loop's buffer in place. (Passing per-layer slices as scan
+            # inputs and stacking them back as outputs copies the whole cache every step.)
+            def body(carry, st):
+                x, ks, vs, i = carry
                 layer = nnx.merge(gdef, st)
                 q, k, v = layer.qkv(x, lay, inv_freq)
-                k_l = k_l.at[ws, wp].set(k.astype(k_l.dtype), mode="drop")
-                v_l = v_l.at[ws, wp].set(v.astype(v_l.dtype), mode="drop")
-                x = layer.finish(x, q, k_l[:, :W], v_l[:, :W], lay, mask)
-                return x, (k_l, v_l, x)
+                ks = ks.at[i, ws, wp].set(k.astype(ks.dtype), mode="drop")
+                vs = vs.at[i, ws, wp].set(v.astype(vs.dtype), mode="drop")
+                k_w = jax.lax.dynamic_index_in_dim(ks, i, 0, keepdims=False)[:, :W]
+                v_w = jax.lax.dynamic_index_in_dim(vs, i, 0, keepdims=False)[:, :W]
+                x = layer.finish(x, q, k_w, v_w, lay, mask)
+                return (x, ks, vs, i + 1), (x if feature_layers else None)
 
-            x, (ks, vs, hs) = jax.lax.scan(body, x, (lstate, cache.k, cache.v))
+            (x, ks, vs, _), hs = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), lstate)
             cache = KVCache(ks, vs)
             taps.update({i: hs[i] for i in feature_layers if i >= 0})
         else:
