@@ -26,7 +26,7 @@ import os
 import dspark_jax as ds
 from benchmarks.bench_scheduler import POLICIES
 from benchmarks.common import hardware, machine_load, table
-from dspark_jax.decoding.drafting import Drafter
+from dspark_jax.models.drafters import Drafter
 from dspark_jax.decoding.generate import encode_prompt
 
 

@@ -1,5 +1,5 @@
 """Prompt lookup's survival by match length, replayed on greedy answers: the data behind
-`NgramDrafter`'s confidence prior (`dspark_jax/decoding/ngram.py: DEFAULT_CONFIDENCE`).
+`NgramDrafter`'s confidence prior (`dspark_jax/models/ngram.py: DEFAULT_CONFIDENCE`).
 
 Each record is a prompt and the target's greedy answer (ArrayRecord shards as the training
 program writes them, e.g. `runs/smollm2/data/heldout` from `train.main --stage data` with

@@ -19,7 +19,7 @@ import argparse
 
 import dspark_jax as ds
 from benchmarks.common import eval_prompts, hardware, table
-from dspark_jax.decoding.drafting import Drafter, OracleDrafter
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import encode_prompt
 
 POLICIES = {

@@ -6,9 +6,10 @@
 """
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.decoding.drafting import Drafter, OracleDrafter
+from dspark_jax.decoding.decode_config import DecodeConfig
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import GenerationOutput, generate
-from dspark_jax.decoding.ngram import HybridDrafter, NgramDrafter
+from dspark_jax.models.ngram import HybridDrafter, NgramDrafter
 from dspark_jax.decoding.profiling import StepRates, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import schedule
@@ -19,6 +20,7 @@ from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.target import Target, logits
 
 __all__ = [
+    "DecodeConfig",
     "Drafter",
     "DrafterConfig",
     "GenerationOutput",

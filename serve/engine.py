@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.decoding.decode_config import DecodeConfig
 from dspark_jax.decoding.decode_loop import GenState, decode_loop, request_stop_ids
 from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
 from dspark_jax.decoding.prefill import admit, prefill_one
@@ -68,7 +69,7 @@ class Request:
 
 def place_on_mesh(target, drafter, mesh):
     """(target, drafter) with parameters placed on `mesh` by the serving rules."""
-    from dspark_jax.decoding.drafting import Drafter
+    from dspark_jax.models.drafters import Drafter
     from dspark_jax.sharding import SERVING_RULES, shard_state
 
     target = dataclasses.replace(target, state=shard_state(target.state, mesh, SERVING_RULES))
@@ -94,19 +95,11 @@ class Engine:
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 1024, max_new_tokens: int = 256,
                  prefill_tokens: int = 256, policy: str | None = None, scheduler="async", threshold: float = 0.5,
                  num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4,
-                 windowed_attention: bool = True, mesh=None):
-        if policy is None:
-            policy = "fixed" if drafter is not None else "ar"
-        if policy in ("fixed", "dspark", "threshold") and drafter is None:
-            raise ValueError(f"policy={policy!r} needs a drafter")
-        if policy == "ar":
-            drafter = None
-        K = 0 if drafter is None else (drafter.block_size if num_draft is None else int(num_draft))
-        if drafter is not None and not 1 <= K <= drafter.block_size:
-            raise ValueError(f"num_draft must be in [1, {drafter.block_size}], got {K}")
-        if drafter is not None and hasattr(drafter, "cfg"):
-            drafter.cfg.check_compatible(target.cfg)
-            drafter.bind(target)  # the LM head rows of its draft vocabulary
+                 windowed_attention: bool = True, mesh=None, config: DecodeConfig | None = None):
+        config = DecodeConfig.pick(config, policy=policy, num_draft=num_draft, scheduler=scheduler,
+                                   threshold=threshold, windowed_attention=windowed_attention)
+        self.config = config
+        policy, drafter, K = config.resolve(target, drafter)
         if mesh is not None:
             target, drafter = place_on_mesh(target, drafter, mesh)
         self.mesh = mesh
@@ -120,11 +113,11 @@ class Engine:
         self.P = next_pow2(prefill_tokens, 16)
         # Decode attention reads a window of the cache that covers every running slot's
         # context (as in generate(); each window compiles once, when first reached).
-        self.windows = attention_windows(self.T) if windowed_attention else []
+        self.windows = attention_windows(self.T) if config.windowed_attention else []
         self.cycles_per_step = cycles_per_step
         cfg = target.cfg
         self.settings, self.sched, self.step_rates = loop_settings(
-            target, drafter, policy, scheduler, K, slots, self.T, threshold, step_rates, False)
+            target, drafter, config.loop_schedule(policy), K, slots, self.T, config.threshold, step_rates, False)
         O = next_pow2(max_new_tokens) + K + 1
         self.M = 8  # stop ids per request
         self.dparams = drafter.params if drafter is not None else None

@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 import dspark_jax as ds
-from dspark_jax.decoding.drafting import Drafter, append_features, draft_block
+from dspark_jax.models.drafters import Drafter
+from dspark_jax.decoding.drafting import append_features, draft_block
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.models.drafter import abstract_drafter, forward_train, num_params, training_attention_mask
 

@@ -271,3 +271,20 @@ def test_bad_policy(tiny):
         ds.generate(tiny, [[1, 2]], policy="fixed")
     with pytest.raises(ValueError, match="policy must be one of"):
         ds.generate(tiny, [[1, 2]], policy="greedy")
+
+
+def test_not_a_drafter(tiny):
+    """Something that is not a drafter is named with what it lacks, before anything compiles."""
+
+    class HalfDrafter:
+        block_size = 4
+
+        def draft(self, *a):
+            return None
+
+    with pytest.raises(TypeError, match="HalfDrafter is not a drafter: it lacks feature_layers.*append"):
+        ds.generate(tiny, [[1, 2]], drafter=HalfDrafter(), policy="fixed")
+    from serve.engine import Engine
+
+    with pytest.raises(TypeError, match="not a drafter"):
+        Engine(tiny, drafter=HalfDrafter(), slots=1, max_len=64)

@@ -9,7 +9,7 @@ import pytest
 from spec_helpers import bigram_table, bigram_target, chi2_pvalue, counts, ref_probs, sharpen
 
 import dspark_jax as ds
-from dspark_jax.decoding.ngram import HybridDrafter, NgramDrafter
+from dspark_jax.models.ngram import HybridDrafter, NgramDrafter
 
 P_PASS = 1e-4
 

@@ -19,7 +19,7 @@ import pytest
 from spec_helpers import sharpen
 
 import dspark_jax as ds
-from dspark_jax.decoding.drafting import Drafter, OracleDrafter
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
 from dspark_jax.models.drafter_config import DrafterConfig
 

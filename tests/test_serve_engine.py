@@ -16,7 +16,7 @@ from spec_helpers import sharpen
 
 import dspark_jax as ds
 from dspark_jax.decoding import compile_stats
-from dspark_jax.decoding.drafting import Drafter
+from dspark_jax.models.drafters import Drafter
 from dspark_jax.models.drafter_config import DrafterConfig
 from serve.engine import Engine
 

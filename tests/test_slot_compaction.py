@@ -7,7 +7,7 @@ import pytest
 from spec_helpers import random_prompts as prompts
 
 import dspark_jax as ds
-from dspark_jax.decoding.drafting import OracleDrafter
+from dspark_jax.models.drafters import OracleDrafter
 
 
 @pytest.fixture(scope="module")

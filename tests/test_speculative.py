@@ -38,7 +38,7 @@ from spec_helpers import (
 )
 
 import dspark_jax as ds
-from dspark_jax.decoding.drafting import Drafter, OracleDrafter
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.models.drafter_config import DrafterConfig
 
 P_PASS = 1e-4

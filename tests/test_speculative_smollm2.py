@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as ds
-from dspark_jax.decoding.drafting import Drafter, OracleDrafter
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import encode_prompt
 from dspark_jax.models.drafter_config import DrafterConfig
 

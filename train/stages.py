@@ -280,7 +280,7 @@ def restore_params(cfg: TrainConfig, workdir: str, target):
 
 
 def calibrate(cfg: TrainConfig, workdir: str) -> None:
-    from dspark_jax.training import calibration
+    from dspark_jax.training import calibration, sts
 
     target = load_target(cfg)
     drafter = restore_params(cfg, workdir, target).bind(target)
@@ -299,8 +299,7 @@ def calibrate(cfg: TrainConfig, workdir: str) -> None:
         conf, acc, ver = calibration.collect_cycles(target, drafter, prompts,
                                                     max_new_tokens=cfg.calib_max_new_tokens, sampling=sp)
         png = "reliability.png" if name == "sampled" else "reliability_greedy.png"
-        reps[name] = calibration.fit_and_report(conf, acc, ver, drafter.cfg.block_size,
-                                                png_path=os.path.join(out, png))
+        reps[name] = sts.fit_and_report(conf, acc, ver, drafter.cfg.block_size, png_path=os.path.join(out, png))
         print(f"[calibrate] {name} (T = {temp}): temperatures {reps[name]['temperatures']}", file=sys.stderr)
     rep = {**reps["sampled"], "greedy": reps["greedy"]}
     with open(os.path.join(out, "sts.json"), "w") as f:
@@ -310,11 +309,11 @@ def calibrate(cfg: TrainConfig, workdir: str) -> None:
 def export(cfg: TrainConfig, workdir: str) -> None:
     target = load_target(cfg)
     drafter = restore_params(cfg, workdir, target)
-    sts = os.path.join(workdir, "calibration", "sts.json")
-    if os.path.exists(sts):
+    sts_json = os.path.join(workdir, "calibration", "sts.json")
+    if os.path.exists(sts_json):
         from dspark_jax.training.calibration import with_temperatures
 
-        rep = json.load(open(sts))
+        rep = json.load(open(sts_json))
         greedy = rep["greedy"]["temperatures"] if "greedy" in rep else None
         drafter = with_temperatures(drafter, rep["temperatures"], greedy)
     out = os.path.join(workdir, "export")

@@ -74,6 +74,14 @@ class LoopSettings:
     # anything. 0: never.
     compact_at: int = 0
     compact_min_tokens: int = 32
+    # Calibration (fixed policy only): the drafter reports its confidence logits before STS
+    # (`draft(raw_confidence=True)`), and `prev_conf` records them per cycle.
+    raw_confidence: bool = False
+
+    def __post_init__(self):
+        if self.raw_confidence and self.policy != "fixed":
+            raise ValueError("raw_confidence (calibration) runs with the fixed policy only: the "
+                             "schedulers read calibrated confidences")
 
 
 @struct.dataclass
@@ -203,24 +211,14 @@ PER_SLOT = ("seq_len", "anchor", "out", "n_out", "done", "max_new", "keys", "sto
             "reached", "accepted_at", "verified", "prev_conf", "acc_w", "reach_w")
 
 
-def can_take_slots(drafter, dcache) -> bool:
-    """Whether the drafter's context cache can follow its slots into a smaller bucket."""
-    return dcache is None or isinstance(dcache, KVCache) or hasattr(drafter, "take_slots")
-
-
 @functools.partial(jax.jit, static_argnames=("drafter",))
 def take_slots(st: GenState, sa: SamplingArrays, idx, drafter=None):
     """The state of slots `idx` (in that order) as a smaller slot bucket: every per-slot field,
-    the target's cache and the drafter's context cache (a KVCache, or the drafter's own
-    `take_slots`), and the sampling rows. Loop-wide counters carry over."""
+    the target's cache and the drafter's context cache (its own `take_slots`), and the
+    sampling rows. Loop-wide counters carry over."""
     fields = {f: getattr(st, f)[idx] for f in PER_SLOT if getattr(st, f) is not None}
     cache = KVCache(st.cache.k[:, idx], st.cache.v[:, idx])
-    if st.dcache is None:
-        dcache = None
-    elif isinstance(st.dcache, KVCache):
-        dcache = KVCache(st.dcache.k[:, idx], st.dcache.v[:, idx])
-    else:
-        dcache = drafter.take_slots(st.dcache, idx)
+    dcache = None if st.dcache is None else drafter.take_slots(st.dcache, idx)
     sa = sa.replace(temperature=sa.temperature[idx], top_k=sa.top_k[idx], top_p=sa.top_p[idx],
                     min_p=sa.min_p[idx])
     return st.replace(cache=cache, dcache=dcache, **fields), sa
@@ -231,7 +229,7 @@ def window_cache(dcache, kv_window: int | None):
     the KVCaches inside a tuple (a hybrid drafter's); other caches are passed whole."""
     if isinstance(dcache, tuple):
         return tuple(window_cache(c, kv_window) for c in dcache)
-    if kv_window is None or not isinstance(dcache, KVCache) or kv_window >= dcache.k.shape[2]:
+    if kv_window is None or not isinstance(dcache, KVCache) or kv_window >= dcache.length:
         return dcache
     return KVCache(dcache.k[:, :, :kv_window], dcache.v[:, :, :kv_window])
 
@@ -239,7 +237,7 @@ def window_cache(dcache, kv_window: int | None):
 def append_context(drafter, dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N):
     """The drafter's `append`, with the committed tokens for a drafter that reads them
     (`reads_tokens`, e.g. prompt lookup) and without for one that reads features only."""
-    if getattr(drafter, "reads_tokens", False):
+    if drafter.reads_tokens:
         return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=tokens_N)
     return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N)
 
@@ -304,8 +302,9 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     Vq = 0 if sa.all_greedy else V
 
     def draft():
+        raw = {"raw_confidence": True} if settings.raw_confidence else {}
         tok, logits, conf = drafter.draft(dparams, window_cache(st.dcache, settings.kv_window), target, st.anchor,
-                                          st.seq_len, kd, sa)
+                                          st.seq_len, kd, sa, **raw)
         logits = jnp.zeros((S, K, 0), jnp.float32) if sa.all_greedy else logits[:, :K].astype(jnp.float32)
         return tok[:, :K], logits, conf[:, :K].astype(jnp.float32)
 

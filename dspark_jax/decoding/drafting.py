@@ -1,132 +1,15 @@
-"""Drafters as the decoding engine sees them (see `decode_loop.py` for the interface).
-
-- `Drafter`: a loaded DSpark/DFlash drafter (config + split NNX state) with a per-slot
-  context cache of projected target features. Each cycle appends only the features of the
-  tokens just committed (anchor + accepted drafts); block K/V are never kept.
-- `OracleDrafter`: proposes a fixed continuation per request (e.g. the target's own greedy
-  output) — the "almost everything accepted" end of the spectrum, for tests and benchmarks.
-
-Letter legend: S slots, T cache length, G block size γ, N packed tokens, F features, V vocab.
-"""
+"""Jitted entry points around a drafter's pure calls (benchmarks and tests call these; the
+decode loop inlines the same calls). The drafters themselves live in `models/drafters.py`
+and `models/ngram.py`."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.sampling import SamplingArrays
-from dspark_jax.models.draft_heads import sample_block, sts_confidence
-from dspark_jax.models.drafter import DSparkDrafter
-from dspark_jax.models.drafter_config import DrafterConfig
-from dspark_jax.models.transformer import KVCache
-
-
-@dataclasses.dataclass(eq=False)  # hashed by identity: it is a static jit argument
-class Drafter:
-    cfg: DrafterConfig
-    graphdef: Any
-    state: Any
-
-    def __post_init__(self):
-        if self.cfg.draft_vocab_size:
-            ids = self.state["draft_ids"].get_value()
-            if isinstance(ids, jax.ShapeDtypeStruct):
-                return  # abstract (eval_shape): nothing to check yet
-            ids = np.asarray(ids)
-            V = self.cfg.vocab_size
-            if ids.shape != (self.cfg.draft_vocab_size,):
-                raise ValueError(f"draft_ids has shape {ids.shape}, expected ({self.cfg.draft_vocab_size},)")
-            if ids.min() < 0 or ids.max() >= V:
-                raise ValueError(
-                    f"draft vocabulary ids must lie in [0, {V}) (the target's vocabulary); "
-                    f"got min {ids.min()}, max {ids.max()}"
-                )
-            if len(np.unique(ids)) != len(ids):
-                raise ValueError("draft vocabulary ids must be distinct")
-        self._bound_to = None
-
-    def bind(self, target) -> Drafter:
-        """Fills the runtime copy of the target's LM head restricted to the draft vocabulary
-        (once per target; gathered here so that no decode step pays for the gather)."""
-        if self.cfg.draft_vocab_size and self._bound_to is not target.state:
-            ids = jnp.asarray(self.state["draft_ids"].get_value())
-            lm = target.module().lm_head_matrix()
-            var = self.state["draft_lm_head"]
-            var.set_value(jnp.take(lm, ids, axis=1).astype(var.get_value().dtype))
-            self._bound_to = target.state
-        return self
-
-    @classmethod
-    def random(cls, cfg: DrafterConfig, seed: int = 0, draft_ids=None) -> Drafter:
-        """Random weights; `draft_ids` [V′] sets the draft vocabulary (default: ids 0..V′−1)."""
-        model = DSparkDrafter(cfg, rngs=nnx.Rngs(seed))
-        if draft_ids is not None:
-            if not cfg.draft_vocab_size:
-                raise ValueError("draft_ids given but the config has draft_vocab_size=0")
-            model.draft_ids.set_value(jnp.asarray(np.asarray(draft_ids), jnp.int32))
-        return cls(cfg, *nnx.split(model))
-
-    @property
-    def params(self):
-        return self.state
-
-    @property
-    def block_size(self) -> int:
-        return self.cfg.block_size
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return tuple(self.cfg.target_layer_ids)
-
-    def module(self) -> DSparkDrafter:
-        return nnx.merge(self.graphdef, self.state)
-
-    # --- the engine interface (pure; called inside jit) ---
-    def init_cache(self, params, num_slots: int, length: int) -> KVCache:
-        c = self.cfg
-        shape = (c.num_layers, num_slots, length, c.num_kv_heads, c.head_dim)
-        return KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
-
-    def append(self, params, cache: KVCache, target, feats_NF, slot_N, pos_N, valid_N) -> KVCache:
-        d = nnx.merge(self.graphdef, params)
-        ks, vs = d.context_kv(feats_NF, pos_N)
-        S = cache.k.shape[1]
-        ws = jnp.where(valid_N, slot_N, S)  # invalid → out of range → dropped
-        k = cache.k.at[:, ws, pos_N].set(jnp.stack(ks).astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[:, ws, pos_N].set(jnp.stack(vs).astype(cache.v.dtype), mode="drop")
-        return KVCache(k, v)
-
-    def draft(self, params, cache: KVCache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays,
-              *, use_scan: bool = True, with_logits: bool = True):
-        """→ (tokens [S, G], transformed logits [S, G, V] (None with `with_logits=False`),
-        calibrated confidences [S, G])."""
-        d = nnx.merge(self.graphdef, params)
-        G = self.cfg.block_size
-        T = cache.k.shape[2]
-        x = d.block_inputs(target.embed_tokens[...], anchor_S)  # [S, G, D]
-        pos = anchor_pos_S[:, None] + jnp.arange(G)
-        # Context strictly before the anchor (its features do not exist yet), whole block.
-        ctx = jnp.arange(T)[None, None, :] < anchor_pos_S[:, None, None]
-        mask = jnp.concatenate([jnp.broadcast_to(ctx, (x.shape[0], G, T)),
-                                jnp.ones((x.shape[0], G, G), bool)], -1)
-        h = d.backbone(x, pos, list(cache.k), list(cache.v), mask)
-        ids = d.proposal_ids
-        head = target.lm_head_matrix() if ids is None else d.draft_lm_head[...]  # [D, V′]
-        U = jnp.einsum("sgd,dv->sgv", h, head, preferred_element_type=jnp.float32)
-        toks, logits, conf = sample_block(d.head, d.confidence, U, h, anchor_S, keys_S, sa, draft_ids=ids,
-                                          vocab_size=self.cfg.vocab_size, topk=self.cfg.draft_topk,
-                                          use_scan=use_scan, with_logits=with_logits)
-        c = sts_confidence(conf, self.cfg.sts_temperatures)
-        if self.cfg.sts_temperatures_greedy:  # greedy requests: calibrated for argmax survival
-            cg = sts_confidence(conf, self.cfg.sts_temperatures_greedy)
-            c = jnp.where((sa.temperature == 0.0)[:, None], cg, c)
-        return toks, logits, c
+from dspark_jax.models.drafters import Drafter
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "tgraph", "use_scan", "with_logits"))
@@ -143,52 +26,3 @@ def draft_block(drafter: Drafter, params, tgraph, tstate, cache, anchor_S, ancho
 def append_features(drafter: Drafter, params, tgraph, tstate, cache, feats_NF, slot_N, pos_N, valid_N):
     target = nnx.merge(tgraph, tstate)
     return drafter.append(params, cache, target, feats_NF, slot_N, pos_N, valid_N)
-
-
-@dataclasses.dataclass(frozen=True)
-class OracleDrafter:
-    """Drafts `continuations[r][i]` for the token at position prompt_len_r + i (a one-hot draft
-    distribution). With the target's own greedy continuation, greedy verification accepts
-    everything up to where the continuation ends. Equality (the jit cache key) covers only the
-    static fields, so oracles with same-shaped tables share one compiled program."""
-
-    continuations: np.ndarray = dataclasses.field(compare=False)  # [S, C] int32, −1 = unknown
-    prompt_lens: np.ndarray = dataclasses.field(compare=False)  # [S]
-    block_size: int = 7
-    vocab_size: int = 0
-    feature_layers: tuple[int, ...] = ()
-
-    @classmethod
-    def from_lists(cls, conts: list[list[int]], prompt_lens: list[int], vocab_size: int, block_size=7,
-                   length: int | None = None):
-        C = (length or max(1, max(len(c) for c in conts))) + block_size + 1
-        arr = np.full((len(conts), C), -1, np.int32)
-        for i, c in enumerate(conts):
-            arr[i, : len(c)] = c
-        return cls(arr, np.asarray(prompt_lens, np.int32), block_size, vocab_size)
-
-    @property
-    def params(self):
-        return (jnp.asarray(self.continuations), jnp.asarray(self.prompt_lens))
-
-    def init_cache(self, params, num_slots, length):
-        # The only state: which continuation each slot drafts from (its request), so that
-        # slots can be compacted (`take_slots`) when requests finish.
-        return jnp.arange(num_slots, dtype=jnp.int32)
-
-    def take_slots(self, cache, idx):
-        return cache[idx]
-
-    def append(self, params, cache, target, feats, slot, pos, valid):
-        return cache
-
-    def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa):
-        conts, plen = params
-        S, G = anchor_S.shape[0], self.block_size
-        rows = cache[:, None] % conts.shape[0]
-        # Token at absolute position anchor_pos + 1 + k is continuation index anchor_pos + 1 + k − prompt_len.
-        idx = anchor_pos_S[:, None] + 1 + jnp.arange(G) - plen[rows[:, 0]][:, None]
-        tok = conts[rows, jnp.clip(idx, 0, conts.shape[1] - 1)]
-        tok = jnp.where((idx >= 0) & (idx < conts.shape[1]) & (tok >= 0), tok, 0)
-        logits = jnp.where(jax.nn.one_hot(tok, self.vocab_size) > 0, 0.0, -jnp.inf)
-        return tok, logits, jnp.ones((S, G), jnp.float32)

@@ -11,18 +11,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding import compile_stats
+from dspark_jax.decoding.decode_config import DecodeConfig
 from dspark_jax.decoding.decode_loop import (
     GenState,
     LoopSettings,
     SchedArrays,
-    can_take_slots,
     decode_loop,
     should_compact,
     stop_id_table,
@@ -35,15 +35,38 @@ from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
 from dspark_jax.models.target import Target
 
-POLICIES = (None, "ar", "fixed", "dspark", "threshold")
-SCHEDULERS = ("async", "sync")
+
+
+class GenerationStats(TypedDict, total=False):
+    """`GenerationOutput.stats`: a dict with these keys (the drafter ones only with a drafter)."""
+
+    policy: str  # the policy that ran: "ar", "fixed", "dspark" or "threshold"
+    num_draft: int  # K, drafts per request per cycle (0 autoregressive)
+    prefill_s: float  # wall time of prefill (all prompts, first tokens sampled)
+    decode_s: float  # wall time of decoding after prefill
+    new_tokens: int  # tokens generated, all requests
+    compile_s: float  # XLA compile time inside this call (0 when warm)
+    compiles: int  # programs compiled inside this call
+    tokens_per_s: float  # new_tokens ÷ (prefill + decode − compile)
+    cycles: list[int]  # draft-and-verify cycles (target steps) per request
+    seeds: list[int]  # each request's seed (rerun with these to reproduce sampled outputs)
+    buckets: dict[str, Any]  # static shapes: slots, cache_len, out_len, prefill sizes, windows, slot buckets
+    tau: float  # tokens per target step (accepted + 1, averaged over cycles)
+    acceptance_per_position: list[float]  # P(draft k accepted | verified and reached), k = 1..K
+    verified_per_request: list[int]  # Σ ℓ_r: drafts sent to the target, per request
+    mean_verified: list[float]  # drafts verified per cycle, per request
+    budget_per_step: float  # packed tokens used per target step (R + Σ ℓ)
+    bucket_per_step: float  # packed tokens paid for per step (the bucket)
+    drafted_steps: float  # fraction of steps that ran the drafter (< 1 when async skipped it)
+    step_rates: dict[str, Any]  # the scheduler's step-rate table
+    scheduler: str  # "async", "sync", "threshold" or "custom" (scheduled policies)
 
 
 @dataclasses.dataclass
 class GenerationOutput:
     texts: list[str]
     token_ids: list[list[int]]
-    stats: dict[str, Any]
+    stats: GenerationStats
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -126,6 +149,7 @@ def generate(
     reprofile: bool = False,
     windowed_attention: bool = True,
     compact_slots: bool = True,
+    config: DecodeConfig | None = None,
 ) -> GenerationOutput:
     """Generates continuations of a batch of prompts; lossless with or without a drafter.
 
@@ -155,29 +179,15 @@ def generate(
     next smaller slot bucket (a power of two), so finished requests cost nothing. Each slot
     bucket compiles once. The confidence schedulers keep their slots (their step-rate table
     is profiled per slot count).
+
+    config: all of the above but `step_rates` / `reprofile` as one `DecodeConfig` (the
+    serving engine takes the same); give either it or the options one by one.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if policy in ("fixed", "dspark", "threshold") and drafter is None:
-        raise ValueError(f"policy={policy!r} needs a drafter")
-    if policy == "dspark" and not (scheduler in SCHEDULERS or callable(scheduler)):
-        raise ValueError(f"scheduler must be one of {SCHEDULERS} (or a callable), got {scheduler!r}")
-    if policy == "threshold" and not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must be a survival probability in [0, 1], got {threshold}")
-    if policy is None and drafter is not None:
-        policy = "fixed"
-    if policy in (None, "ar"):
-        drafter = None
-    K = 0
-    if drafter is not None and hasattr(drafter, "cfg"):
-        drafter.cfg.check_compatible(target.cfg)
-        drafter.bind(target)
-    if drafter is not None:
-        K = drafter.block_size if num_draft is None else int(num_draft)
-        if not 0 <= K <= drafter.block_size:
-            raise ValueError(f"num_draft must be in [0, {drafter.block_size}] (the block size), got {K}")
-        if K == 0:
-            drafter = None
+    config = DecodeConfig.pick(config, policy=policy, num_draft=num_draft, scheduler=scheduler, threshold=threshold,
+                               windowed_attention=windowed_attention, compact_slots=compact_slots,
+                               chunk_cycles=chunk_cycles, prefill_chunk=prefill_chunk,
+                               batched_prefill=batched_prefill)
+    policy, drafter, K = config.resolve(target, drafter)
 
     prompts = _normalize_prompts(prompts)
     B = len(prompts)
@@ -205,9 +215,7 @@ def generate(
     T = min(next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128), cfg.max_position_embeddings)
     O = next_pow2(max_new) + K + 1
     q_prefill = min(next_pow2(max(len(x) for x in ids), 16), cfg.max_position_embeddings)
-    if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
-        raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
-    chunk = min(prefill_chunk, q_prefill)  # prompt tokens per prefill step of one request
+    chunk = min(config.prefill_chunk, q_prefill)  # prompt tokens per prefill step of one request
 
     stop_ids = stop_id_table(params, target.eos_token_ids, S)
 
@@ -222,17 +230,17 @@ def generate(
     dparams = drafter.params if drafter is not None else None
     st = GenState.create(cfg, drafter, dparams, slots=S, cache_len=T, out_len=O, num_draft=K,
                          active=np.arange(S) < B, max_new=max_new_arr, keys=keys, stop_ids=stop_ids)
-    settings, sched, rates_table = loop_settings(target, drafter, policy, scheduler, K, S, T, threshold,
-                                                  step_rates, reprofile)
+    settings, sched, rates_table = loop_settings(target, drafter, config.loop_schedule(policy), K, S, T,
+                                                  config.threshold, step_rates, reprofile)
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
-    windows = attention_windows(T) if windowed_attention else []
+    windows = attention_windows(T) if config.windowed_attention else []
     kvw = pick_window(windows, int(lens.max()))
-    if batched_prefill:
+    if config.batched_prefill:
         tokens = np.zeros(next_pow2(int(lens.sum()), 16), np.int32)
         tokens[: lens.sum()] = np.concatenate(ids)
         st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens), jnp.asarray(lens), sa,
-                     q_max=q_prefill, chunk=min(prefill_chunk, tokens.size), kv_window=kvw)
+                     q_max=q_prefill, chunk=min(config.prefill_chunk, tokens.size), kv_window=kvw)
     else:
         # One request at a time, each into its own cache row: cost Σ over the prompts (the
         # batched program's [S, chunk] query grid grows with S²). One program per batch shape.
@@ -255,15 +263,14 @@ def generate(
     # Slot compaction (fixed-length and autoregressive decoding): when at most half the slots
     # are still active, they move into the next smaller slot bucket, so finished requests
     # stop costing drafting, target and verification work.
-    compact = (compact_slots and settings.policy == "fixed" and S > 1
-               and can_take_slots(drafter, st.dcache))
+    compact = config.compact_slots and settings.policy == "fixed" and S > 1
     rows = np.where(np.arange(S) < B, np.arange(S), -1)  # request of each slot (-1: padding)
     final: dict[int, dict[str, np.ndarray]] = {}  # per-request results of slots compacted away
     done = np.array(st.done)
     while True:
         # Without stop strings one call runs to the end (or to the end of its attention
         # window, or until the slots compact); with them, chunks let the host stop early.
-        max_cycles = chunk_cycles if use_host_stops else max_new + 1
+        max_cycles = config.chunk_cycles if use_host_stops else max_new + 1
         seq_len = np.asarray(st.seq_len)
         window = pick_window(windows, int(seq_len[~done].max(initial=0)) + K + 1)
         if window not in used_windows:
@@ -317,8 +324,8 @@ def generate(
         return np.stack([final[i][name] for i in range(B)])
 
     cycles = per_request("cycles")
-    stats = {
-        "policy": "ar" if drafter is None else policy,
+    stats: GenerationStats = {
+        "policy": policy,
         "num_draft": K,
         "prefill_s": t1 - t0,
         "decode_s": t2 - t1,
@@ -365,11 +372,11 @@ def _save_rows(final: dict, st: GenState, rows: np.ndarray, which) -> None:
         final[int(rows[r])] = {f: host[f][r] for f in _SAVED}
 
 
-def loop_settings(target, drafter, policy, scheduler, K, S, T, threshold, step_rates, reprofile):
-    """(LoopSettings, SchedArrays or None, StepRates or None) of a generate() call."""
-    if drafter is None or policy == "fixed":
+def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofile):
+    """(LoopSettings, SchedArrays or None, StepRates or None) for the cycle's schedule `name`
+    (`DecodeConfig.loop_schedule`)."""
+    if drafter is None or name == "fixed":
         return LoopSettings(num_draft=K), None, None
-    name = scheduler if policy == "dspark" else "threshold"
     if isinstance(step_rates, StepRates):
         if step_rates.slots != S:
             raise ValueError(f"step_rates were measured for {step_rates.slots} slots, but this call runs {S} "

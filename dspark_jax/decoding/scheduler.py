@@ -36,7 +36,9 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-POLICIES = ("sync", "async", "threshold", "fixed")
+# The schedules a decode cycle runs: what `DecodeConfig`'s user-facing policy (+ scheduler)
+# resolves to (`DecodeConfig.loop_schedule`), and what `schedule(policy=...)` takes.
+SCHEDULES = ("sync", "async", "threshold", "fixed")
 
 
 def survival(conf_RG: jax.Array) -> jax.Array:
@@ -153,7 +155,7 @@ def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R
         n = jnp.clip(jnp.asarray(buckets, jnp.int32)[jnp.maximum(bucket_u, 0)] - R, 0, None)
         n = jnp.where(bucket_u < 0, 0, jnp.minimum(n, jnp.sum(avail_sorted)))
     else:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        raise ValueError(f"policy must be one of {SCHEDULES}, got {policy!r}")
     if fill and policy == "threshold":  # sync and async fill their bucket by construction
         n = _fill_count(n, avail_sorted, R, buckets)
     ell = _lengths_from_count(order, n, (R_all, G))
@@ -236,8 +238,8 @@ def schedule(
                              "using this step's own would not be the async rule")
         bucket_u = async_budget(jnp.asarray(prev_confidences, jnp.float32), active, caps, rates, buckets,
                                 skip_rate=skip_rate)
-    elif policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    elif policy not in SCHEDULES:
+        raise ValueError(f"policy must be one of {SCHEDULES}, got {policy!r}")
     ell, _ = schedule_lengths(conf, policy, rates, buckets, active_R=active, caps_R=caps, k=k or 0,
                       threshold=threshold or 0.0, bucket_u=bucket_u, fill=fill)
 

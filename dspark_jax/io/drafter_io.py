@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import ModelConfig, hf_rope
-from dspark_jax.decoding.drafting import Drafter
+from dspark_jax.models.drafters import Drafter
 from dspark_jax.io.json_fields import Fields, read_json_object
 from dspark_jax.models.drafter import TargetCopy, abstract_drafter
 from dspark_jax.models.drafter_config import DrafterConfig
@@ -349,11 +349,11 @@ def load_drafter(path: str, target=None) -> Drafter:
     config that omits a numeric field (e.g. RoPE θ) needs `target` to supply it.
     """
     if path == "ngram":
-        from dspark_jax.decoding.ngram import NgramDrafter
+        from dspark_jax.models.ngram import NgramDrafter
 
         return NgramDrafter().bind(target) if target is not None else NgramDrafter()
     if path.endswith("+ngram"):
-        from dspark_jax.decoding.ngram import HybridDrafter, NgramDrafter
+        from dspark_jax.models.ngram import HybridDrafter, NgramDrafter
 
         base = load_drafter(path[: -len("+ngram")], target)
         hyb = HybridDrafter(base, NgramDrafter(block_size=base.block_size))

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.sampling import SamplingArrays
+from dspark_jax.sampling_transform import SamplingArrays
 
 # P(draft k survives | its prefix did), by match length 0 .. 4+ (0 = no match: nothing to
 # draft), pooled over k: greedy lookup replayed on SmolLM2's greedy answers to 32 held-out
@@ -178,7 +178,7 @@ class HybridDrafter:
         return self.drafter.params
 
     def bind(self, target) -> HybridDrafter:
-        self.drafter.bind(target)
+        self.drafter = self.drafter.bind(target)
         self.ngram = self.ngram.bind(target)
         return self
 
@@ -187,7 +187,7 @@ class HybridDrafter:
 
     def take_slots(self, cache, idx):
         kv, buf = cache
-        return (type(kv)(kv.k[:, idx], kv.v[:, idx]), buf[idx])
+        return (self.drafter.take_slots(kv, idx), self.ngram.take_slots(buf, idx))
 
     def append(self, params, cache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=None):
         kv, buf = cache

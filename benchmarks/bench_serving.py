@@ -1,0 +1,239 @@
+"""Serving throughput and latency: the continuous-batching engine in this process and the
+same engine behind `python -m serve.server`, at fixed concurrencies, per drafter.
+
+For each concurrency C (default 1, 8, 32) and each configuration (default: autoregressive,
+the shipped DSpark drafter, prompt lookup, the hybrid — each with the server's default
+policy: the DSpark scheduler with a drafter), an engine with C slots serves
+`--prompts-per-slot`·C held-out ShareGPT prompts (the same prompts everywhere, chat
+template, greedy, exactly `--max-tokens` new tokens each) with C requests kept in flight:
+
+- **library**: `serve.engine.Engine` driven by a closed-loop client in this process (each
+  request's tokens arrive through its `on_token` callback);
+- **HTTP**: a `python -m serve.server` subprocess with the same settings, driven by
+  `serve.bench` (streaming chat completions over loopback).
+
+Both warm up the same way (the server's `warmup`) before timing. Reported per cell: output
+throughput (tokens/s over the wall time of the whole run), TTFT, TPOT and ITL (mean / p50 /
+p99), τ (tokens per target step), and HTTP ÷ library throughput (the HTTP overhead).
+`--repeats` rounds alternate the order of library and HTTP; the machine's load is recorded
+before and after. JSON (`--json`) and a PNG of throughput against concurrency (`--png`).
+
+    python -m benchmarks.bench_serving [--concurrency 1,8,32] [--configs ar,dspark,ngram,hybrid]
+        [--max-tokens 64] [--prompts-per-slot 2] [--repeats 1] [--no-http] [--json F] [--png F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from benchmarks.common import hardware, machine_load, median, table
+
+CONFIGS = {  # name → serve.server --drafter
+    "ar": "none",
+    "dspark": "smollm2-135m-dspark",
+    "ngram": "ngram",
+    "hybrid": "smollm2-135m-dspark+ngram",
+}
+
+
+def server_args(drafter: str, slots: int, max_tokens: int, max_len: int) -> list[str]:
+    return ["--drafter", drafter, "--slots", str(slots), "--max-len", str(max_len),
+            "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64)]
+
+
+def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
+    """Closed loop: `concurrency` requests in flight; the same numbers serve.bench reports."""
+    import dspark_jax as ds
+    from serve.bench import Result, report
+
+    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
+    first, last, itl = {}, {}, {}
+
+    def on_token(req, toks):
+        now = time.perf_counter()
+        if req.id not in first:
+            first[req.id] = now
+            itl[req.id] = []
+        else:
+            itl[req.id].append(now - last[req.id])
+        last[req.id] = now
+
+    engine.finished.clear()
+    pending = list(prompts)
+    t0 = time.perf_counter()
+    while pending or not engine.idle:
+        while pending and len(engine.running) + len(engine.queue) < concurrency:
+            engine.submit(pending.pop(0), sp, on_token)
+        engine.step()
+    duration = time.perf_counter() - t0
+    results, taus = [], []
+    for r in engine.finished:
+        res = Result(ok=r.status == "finished", prompt_tokens=len(r.prompt_ids), output_tokens=len(r.tokens),
+                     ttft=first[r.id] - r.submitted_at if r.id in first else None,
+                     latency=r.finished_at - r.submitted_at, itl=itl.get(r.id, []), finish_reason=r.finish_reason)
+        results.append(res)
+        if "tau" in r.stats:
+            taus.append(r.stats["tau"])
+    ns = argparse.Namespace(url="library", request_rate=float("inf"), concurrency=concurrency, endpoint="engine",
+                            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, dataset="sharegpt", seed=0,
+                            save_requests=False)
+    rep = report(ns, "library", results, duration, {}, {})
+    rep["tau"] = float(sum(taus) / len(taus)) if taus and engine.drafter is not None else None
+    engine.finished.clear()
+    return rep
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args_list: list[str], port: int, log_path: str, timeout: float = 900.0):
+    cmd = [sys.executable, "-m", "serve.server", "--port", str(port), "--no-access-log", "--log-level", "warning",
+           *args_list]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(1.0)
+    proc.kill()
+    raise RuntimeError(f"the server did not come up in {timeout:.0f} s; see {log_path}")
+
+
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_http(port: int, prompts, max_tokens: int, concurrency: int) -> dict:
+    from serve.bench import build_parser, run
+
+    bargs = build_parser().parse_args(["--url", f"http://127.0.0.1:{port}", "--concurrency", str(concurrency),
+                                       "--num-prompts", str(len(prompts)), "--max-tokens", str(max_tokens),
+                                       "--ignore-eos"])
+    return asyncio.run(run(bargs, prompts))
+
+
+def fmt_lat(s: dict) -> str:
+    return f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p99']:.0f}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts-per-slot", type=int, default=2)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--max-prompt-chars", type=int, default=1500)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--logdir", default="/tmp/bench_serving")
+    args = ap.parse_args(argv)
+    import dspark_jax as ds
+    from serve.bench import heldout_prompts
+    from serve.server import build_parser as server_parser
+    from serve.server import load_drafter, make_engine, warmup
+
+    os.makedirs(args.logdir, exist_ok=True)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    names = args.configs.split(",")
+    print(f"# {hardware()}; {machine_load()} at start", flush=True)
+    target = ds.load_target("smollm2-135m")
+    results = {}
+    rows = []
+    for C in concs:
+        prompts = heldout_prompts(args.prompts_per_slot * C, args.max_prompt_chars, seed=0)
+        for name in names:
+            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len)
+            engine = make_engine(server_parser().parse_args(sargs), target, load_drafter(CONFIGS[name], target))
+            warmup(engine, target)
+            cell = {"library": [], "http": []}
+            port = None
+            proc = None
+            if not args.no_http:
+                port = free_port()
+                proc = start_server(sargs, port, os.path.join(args.logdir, f"server_{name}_{C}.log"))
+            try:
+                for r in range(args.repeats):
+                    order = ["library", "http"] if r % 2 == 0 else ["http", "library"]
+                    for mode in order:
+                        if mode == "library":
+                            cell["library"].append(run_library(engine, prompts, args.max_tokens, C))
+                        elif proc is not None:
+                            cell["http"].append(run_http(port, prompts, args.max_tokens, C))
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+            del engine
+            results[f"{name}@{C}"] = cell
+            for mode in ("library", "http"):
+                reps = cell[mode]
+                if not reps:
+                    continue
+                tput = [x["output_throughput"] for x in reps]
+                ratio = ""
+                if mode == "http" and cell["library"]:
+                    ratio = f"{median(tput) / median([x['output_throughput'] for x in cell['library']]):.2f}"
+                last = reps[-1]
+                tau = "–" if last["tau"] is None else f"{last['tau']:.2f}"
+                fails = sum(x["failed"] for x in reps)
+                rows.append([C, name, mode, f"{median(tput):.1f}" + (f" ({min(tput):.1f}–{max(tput):.1f})"
+                                                                     if len(tput) > 1 else ""),
+                             ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),
+                             tau, fails])
+            print(table(["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99",
+                         "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "τ", "failed"], rows[-2:]), flush=True)
+    print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
+          f"ShareGPT prompts, C slots, C in flight\n")
+    print(table(["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99",
+                 "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "τ", "failed"], rows))
+    print(f"\n# {machine_load()} at end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1, default=float)
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in names:
+            for mode, ls in (("library", "-"), ("http", "--")):
+                ys = [median([x["output_throughput"] for x in results[f"{name}@{C}"][mode]])
+                      if results[f"{name}@{C}"][mode] else float("nan") for C in concs]
+                ax.plot(concs, ys, ls, marker="o", label=f"{name} ({mode})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (= slots)")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title("SmolLM2-135M fp32, 2-core CPU")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
