@@ -337,9 +337,14 @@ def test_32_concurrent_streams_two_disconnect(server, refs):
 
 
 @pytest.mark.slow
+# Seconds of measured load in the soak (after 30 s of warm-up load). The suite runs 60 s; the
+# issue's few-minute soak is `DSPARK_SOAK_S=300 python -m pytest -q -m soak tests/test_server.py`.
+SOAK_S = float(os.environ.get("DSPARK_SOAK_S", "60"))
+
+
 @pytest.mark.soak
 def test_soak_memory_and_compiles_stay_flat(server, client):
-    """~2.5 min: warm-up, then 2 min of Poisson arrivals (0.5/s) with mixed sampling, prompt
+    """Warm-up, then SOAK_S seconds of Poisson arrivals (0.5/s) with mixed sampling, prompt
     lengths across both attention windows, streaming or not, stop strings, disconnects."""
     _wait_idle(server)
     long_prompt = "The history of the printing press " * 40  # > 256 tokens: the second attention window
@@ -378,12 +383,12 @@ def test_soak_memory_and_compiles_stay_flat(server, client):
     _run_load(request, seconds=30, rate=0.5, rng=rng, start=2)
     _wait_idle(server)
     rss0, c0 = server.rss_mb(), server.metrics()["dspark_xla_compiles_total"]
-    n = _run_load(request, seconds=120, rate=0.5, rng=rng, start=1000)
+    n = _run_load(request, seconds=SOAK_S, rate=0.5, rng=rng, start=1000)
     _wait_idle(server)
     rss1, m = server.rss_mb(), server.metrics()
     print(f"soak: {n} requests, RSS {rss0:.0f} → {rss1:.0f} MB, compiles {c0:.0f} → "
           f"{m['dspark_xla_compiles_total']:.0f}")
-    assert n >= 30
+    assert n >= 0.2 * SOAK_S  # 40% of the expected 0.5/s (P < 1e-4 by chance): the load really ran
     assert m["dspark_xla_compiles_total"] == c0, "compiled after warm-up"
     assert rss1 - rss0 < max(48.0, 0.05 * rss0), f"RSS grew from {rss0:.0f} to {rss1:.0f} MB over {n} requests"
 

@@ -243,15 +243,18 @@ def generate(
                      q_max=q_prefill, chunk=min(config.prefill_chunk, tokens.size), kv_window=kvw)
     else:
         # One request at a time, each into its own cache row: cost Σ over the prompts (the
-        # batched program's [S, chunk] query grid grows with S²). One program per batch shape.
+        # batched program's [S, chunk] query grid grows with S²). Each prompt runs in its own
+        # buckets — query rows rounded up to a power of two, the attention window that holds
+        # it — so a short prompt never pays for the batch's longest (one program per bucket).
         cache, dcache = st.cache, st.dcache
         last = []
         for i, x in enumerate(ids):
-            buf = np.zeros(q_prefill, np.int32)
+            qx = min(next_pow2(len(x), 16), q_prefill)
+            buf = np.zeros(qx, np.int32)
             buf[: len(x)] = x
             lg, cache, dcache = prefill_one(target.graphdef, target.state, drafter, dparams, cache, dcache,
-                                            jnp.int32(i), jnp.asarray(buf), jnp.int32(len(x)), chunk=chunk,
-                                            kv_window=kvw)
+                                            jnp.int32(i), jnp.asarray(buf), jnp.int32(len(x)),
+                                            chunk=min(chunk, qx), kv_window=pick_window(windows, len(x)))
             last.append(lg)
         logits = jnp.stack(last + [jnp.zeros_like(last[0])] * (S - B))
         st = start_decoding(st.replace(cache=cache, dcache=dcache), logits, jnp.asarray(lens), sa)
