@@ -26,8 +26,8 @@ import os
 import dspark_jax as ds
 from benchmarks.bench_scheduler import POLICIES
 from benchmarks.common import hardware, machine_load, table
-from dspark_jax.models.drafters import Drafter
 from dspark_jax.decoding.generate import encode_prompt
+from dspark_jax.models.drafters import Drafter
 
 
 def heldout_sharegpt(target, n: int, max_tokens: int) -> list[list[dict]]:

@@ -27,8 +27,8 @@ from flax import nnx
 
 import dspark_jax as ds
 from benchmarks.common import hardware, interleaved, machine_load, median, spread, table
-from dspark_jax.models.drafters import Drafter
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.models.drafters import Drafter
 from dspark_jax.models.transformer import KVCache
 
 CTX, CACHE = 256, 512

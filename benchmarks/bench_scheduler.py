@@ -19,8 +19,8 @@ import argparse
 
 import dspark_jax as ds
 from benchmarks.common import eval_prompts, hardware, table
-from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import encode_prompt
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 
 POLICIES = {
     "fixed k=1": dict(policy="fixed", num_draft=1),

@@ -14,7 +14,10 @@ template, greedy, exactly `--max-tokens` new tokens each) with C requests kept i
 
 Both warm up the same way (the server's `warmup`) before timing. Reported per cell: output
 throughput (tokens/s over the wall time of the whole run), TTFT, TPOT and ITL (mean / p50 /
-p99), τ (tokens per target step), and HTTP ÷ library throughput (the HTTP overhead).
+p99), τ (tokens per target step), HTTP ÷ library throughput (the HTTP overhead), and the
+XLA compiles that happened while timing (0 when the warm-up covered everything; the server's
+default warm-up compiles the first attention window only, so keep prompts + new tokens under
+256 tokens — `--max-prompt-chars 600` — or expect compile stalls in the first run).
 `--repeats` rounds alternate the order of library and HTTP; the machine's load is recorded
 before and after. JSON (`--json`) and a PNG of throughput against concurrency (`--png`).
 
@@ -44,6 +47,10 @@ CONFIGS = {  # name → serve.server --drafter
 }
 
 
+HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99", "TPOT ms mean/p50/p99",
+           "ITL ms mean/p50/p99", "τ", "failed", "compiles"]
+
+
 def server_args(drafter: str, slots: int, max_tokens: int, max_len: int) -> list[str]:
     return ["--drafter", drafter, "--slots", str(slots), "--max-len", str(max_len),
             "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64)]
@@ -52,8 +59,11 @@ def server_args(drafter: str, slots: int, max_tokens: int, max_len: int) -> list
 def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
     """Closed loop: `concurrency` requests in flight; the same numbers serve.bench reports."""
     import dspark_jax as ds
+    from dspark_jax.decoding import compile_stats
     from serve.bench import Result, report
 
+    compile_stats.ensure_registered()
+    c0, _ = compile_stats.snapshot()
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
     first, last, itl = {}, {}, {}
 
@@ -87,6 +97,7 @@ def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
                             save_requests=False)
     rep = report(ns, "library", results, duration, {}, {})
     rep["tau"] = float(sum(taus) / len(taus)) if taus and engine.drafter is not None else None
+    rep["server_compiles"] = compile_stats.snapshot()[0] - c0  # compiles while timing (0 when warm)
     engine.finished.clear()
     return rep
 
@@ -145,7 +156,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-per-slot", type=int, default=2)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--max-prompt-chars", type=int, default=1500)
+    ap.add_argument("--max-prompt-chars", type=int, default=600)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--json", default=None)
@@ -203,13 +214,11 @@ def main(argv=None):
                 rows.append([C, name, mode, f"{median(tput):.1f}" + (f" ({min(tput):.1f}–{max(tput):.1f})"
                                                                      if len(tput) > 1 else ""),
                              ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),
-                             tau, fails])
-            print(table(["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99",
-                         "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "τ", "failed"], rows[-2:]), flush=True)
+                             tau, fails, f"{last['server_compiles']:.0f}"])
+            print(table(HEADERS, rows[-2:]), flush=True)
     print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
           f"ShareGPT prompts, C slots, C in flight\n")
-    print(table(["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99",
-                 "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "τ", "failed"], rows))
+    print(table(HEADERS, rows))
     print(f"\n# {machine_load()} at end")
     if args.json:
         with open(args.json, "w") as f:

@@ -17,8 +17,8 @@ import argparse
 
 import dspark_jax as ds
 from benchmarks.common import eval_prompts, hardware, machine_load, median, spread, table
-from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import encode_prompt
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 
 
 def config_fn(target, prompts, sp, **kw):

@@ -7,9 +7,7 @@
 
 from dspark_jax.config import ModelConfig
 from dspark_jax.decoding.decode_config import DecodeConfig
-from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import GenerationOutput, generate
-from dspark_jax.models.ngram import HybridDrafter, NgramDrafter
 from dspark_jax.decoding.profiling import StepRates, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import schedule
@@ -17,6 +15,8 @@ from dspark_jax.decoding.verification import verify
 from dspark_jax.io.drafter_io import load_drafter, save_drafter
 from dspark_jax.io.loading import load_target
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter, OracleDrafter
+from dspark_jax.models.ngram import HybridDrafter, NgramDrafter
 from dspark_jax.models.target import Target, logits
 
 __all__ = [

@@ -26,8 +26,8 @@ from spec_helpers import (
 )
 
 import dspark_jax as ds
-from dspark_jax.models.drafters import Drafter
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter
 
 P_PASS = 1e-4
 V = 8

@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 import dspark_jax as ds
-from dspark_jax.models.drafters import Drafter
 from dspark_jax.decoding.drafting import append_features, draft_block
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.models.drafter import abstract_drafter, forward_train, num_params, training_attention_mask
+from dspark_jax.models.drafters import Drafter
 
 TCFG = ds.ModelConfig.tiny(vocab_size=96)
 HEADS = ["markov", "gated", "rnn"]

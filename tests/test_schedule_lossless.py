@@ -36,9 +36,9 @@ from spec_helpers import (
 )
 
 import dspark_jax as ds
-from dspark_jax.models.drafters import Drafter
 from dspark_jax.decoding.scheduler import survival
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter
 
 P_PASS = 1e-4
 V = 8

@@ -19,9 +19,9 @@ import pytest
 from spec_helpers import sharpen
 
 import dspark_jax as ds
-from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 
 K = 3
 MAX_NEW = 12

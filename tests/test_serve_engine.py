@@ -16,8 +16,8 @@ from spec_helpers import sharpen
 
 import dspark_jax as ds
 from dspark_jax.decoding import compile_stats
-from dspark_jax.models.drafters import Drafter
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter
 from serve.engine import Engine
 
 MAX_NEW = 16

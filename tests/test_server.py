@@ -336,12 +336,12 @@ def test_32_concurrent_streams_two_disconnect(server, refs):
     assert d("dspark_decode_cycles_total") > 0 and m["dspark_tau"] == 1.0  # autoregressive
 
 
-@pytest.mark.slow
 # Seconds of measured load in the soak (after 30 s of warm-up load). The suite runs 60 s; the
 # issue's few-minute soak is `DSPARK_SOAK_S=300 python -m pytest -q -m soak tests/test_server.py`.
 SOAK_S = float(os.environ.get("DSPARK_SOAK_S", "60"))
 
 
+@pytest.mark.slow
 @pytest.mark.soak
 def test_soak_memory_and_compiles_stay_flat(server, client):
     """Warm-up, then SOAK_S seconds of Poisson arrivals (0.5/s) with mixed sampling, prompt

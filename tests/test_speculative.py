@@ -38,8 +38,8 @@ from spec_helpers import (
 )
 
 import dspark_jax as ds
-from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 
 P_PASS = 1e-4
 

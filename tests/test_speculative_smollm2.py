@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import dspark_jax as ds
-from dspark_jax.models.drafters import Drafter, OracleDrafter
 from dspark_jax.decoding.generate import encode_prompt
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter, OracleDrafter
 
 MAX_NEW = 128
 BLOCK = 4

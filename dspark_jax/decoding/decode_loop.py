@@ -255,7 +255,7 @@ def _first_stop(tokens_SJ, limit_S, stop_ids_SM):
     return jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), J), jnp.any(is_stop, 1)
 
 
-def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok, d_logits,
+def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok, d_logits,
                   nv, active, *, num_tokens: int, q_max: int, kv_window: int | None = None):
     """One packed target step at a static bucket of `num_tokens` tokens, then verification and
     the drafter's context append. → (accepted [S], emitted [S, K+1], cache, dcache).
@@ -274,7 +274,7 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
                                     feature_layers=feature_layers, kv_window=kv_window)
     # Back to the [S, Q] grid (empty cells read a clamped row; they are never used).
     tgt_logits = logits_N[jnp.minimum(lay.grid_idx_SQ, num_tokens - 1)]
-    accepted, emitted = verify(kv, d_tok[:, : q_max - 1], d_logits[:, : q_max - 1], tgt_logits,
+    accepted, emitted = verify(verify_keys, d_tok[:, : q_max - 1], d_logits[:, : q_max - 1], tgt_logits,
                                jnp.minimum(nv, q_max - 1), sa)
     emitted = jnp.pad(emitted, ((0, 0), (0, K + 1 - q_max)), constant_values=-1)
     accepted = jnp.where(active, accepted, 0)
@@ -290,9 +290,11 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     K = settings.num_draft
     rows = jnp.arange(S)
     active = ~st.done
-    kc = fold_keys(st.keys, st.seq_len)  # seq_len is unique per cycle of a request
-    kd = fold_keys(kc, jnp.ones_like(st.seq_len))
-    kv = fold_keys(kc, jnp.full_like(st.seq_len, 2))
+    # PRNG keys (not KV caches): one per request and cycle (seq_len is unique per cycle of
+    # a request), split into the drafter's and the verifier's.
+    cycle_keys = fold_keys(st.keys, st.seq_len)
+    draft_keys = fold_keys(cycle_keys, jnp.ones_like(st.seq_len))
+    verify_keys = fold_keys(cycle_keys, jnp.full_like(st.seq_len, 2))
     remaining = st.max_new - st.n_out
     caps = jnp.where(active, jnp.clip(jnp.minimum(K, remaining - 1), 0, K), 0)
     V = target.cfg.vocab_size
@@ -304,7 +306,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     def draft():
         raw = {"raw_confidence": True} if settings.raw_confidence else {}
         tok, logits, conf = drafter.draft(dparams, window_cache(st.dcache, settings.kv_window), target, st.anchor,
-                                          st.seq_len, kd, sa, **raw)
+                                          st.seq_len, draft_keys, sa, **raw)
         logits = jnp.zeros((S, K, 0), jnp.float32) if sa.all_greedy else logits[:, :K].astype(jnp.float32)
         return tok[:, :K], logits, conf[:, :K].astype(jnp.float32)
 
@@ -355,7 +357,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     def run(i):
         return lambda ops: branches[i](target, drafter, dparams, *ops)
 
-    ops = (st.cache, st.dcache, st.seq_len, st.anchor, sa, kv, d_tok, d_logits, nv, active)
+    ops = (st.cache, st.dcache, st.seq_len, st.anchor, sa, verify_keys, d_tok, d_logits, nv, active)
     if len(branches) == 1:
         accepted, emitted, cache, dcache = branches[0](target, drafter, dparams, *ops)
     else:

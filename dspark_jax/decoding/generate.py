@@ -36,7 +36,6 @@ from dspark_jax.decoding.stop_strings import stop_string_cut
 from dspark_jax.models.target import Target
 
 
-
 class GenerationStats(TypedDict, total=False):
     """`GenerationOutput.stats`: a dict with these keys (the drafter ones only with a drafter)."""
 

@@ -112,11 +112,11 @@ def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max"))
-def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok,
+def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok,
                  d_logits, nv, active, *, num_tokens, q_max):
     target = nnx.merge(tgraph, tstate)
-    return verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, kv, d_tok, d_logits,
-                         nv, active, num_tokens=num_tokens, q_max=q_max)
+    return verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok,
+                         d_logits, nv, active, num_tokens=num_tokens, q_max=q_max)
 
 
 def _median_times(fns, repeats: int, warmup: int = 2) -> list[float]:

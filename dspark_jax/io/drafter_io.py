@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import ModelConfig, hf_rope
-from dspark_jax.models.drafters import Drafter
 from dspark_jax.io.json_fields import Fields, read_json_object
 from dspark_jax.models.drafter import TargetCopy, abstract_drafter
 from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter
 
 FORMAT = "dspark_jax.drafter"
 FORMAT_VERSION = 1
