@@ -65,9 +65,17 @@ class TokenConfDrafter:
     block_size = property(lambda self: self.inner.block_size)
     feature_layers = property(lambda self: self.inner.feature_layers)
     params = property(lambda self: self.inner.params)
+    reads_tokens = False
+
+    def bind(self, target):
+        self.inner.bind(target)
+        return self
 
     def init_cache(self, params, num_slots, length):
         return self.inner.init_cache(params, num_slots, length)
+
+    def take_slots(self, cache, idx):
+        return self.inner.take_slots(cache, idx)
 
     def append(self, params, cache, target, feats, slot, pos, valid):
         return self.inner.append(params, cache, target, feats, slot, pos, valid)
