@@ -93,8 +93,7 @@ def collect_cycles(target, drafter: Drafter, prompts_token_ids, *, max_new_token
         raise TypeError(f"collect_cycles needs a ds.Drafter, got {type(drafter).__name__}")
     if not drafter.cfg.confidence_head:
         raise ValueError("this drafter has no confidence head (confidence_head=False): nothing to calibrate")
-    drafter.cfg.check_compatible(target.cfg)
-    drafter.bind(target)
+    drafter.bind(target)  # checks it fits the target
     sp = dataclasses.replace(sampling or SamplingParams(), max_new_tokens=int(max_new_tokens))
     ids = [encode_prompt(target, p) for p in prompts_token_ids]
     if not ids:
