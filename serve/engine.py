@@ -22,7 +22,8 @@ the drafter's parameters by the serving rules (`dspark_jax.sharding.SERVING_RULE
 split over the tensor axis, replicated over data) and the KV caches over their KV heads, and
 the same jitted programs run sharded (XLA inserts the collectives).
 
-Letter legend: S slots, P admission tokens, T cache length, O output buffer, M stop ids.
+Shape letters (docs/architecture.md, "Shape letters"): S slots, N admission tokens, T cache length,
+O output buffer, M stop ids.
 """
 
 from __future__ import annotations

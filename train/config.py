@@ -14,7 +14,9 @@ import dataclasses
 class TrainConfig:
     # Target and data.
     target: str = "smollm2-135m"  # embedded name, HF directory or .gguf path; "tiny-random" for tests
-    prompt_sources: tuple[str, ...] = ("sharegpt",)  # 'sharegpt', 'humaneval' or JSONL paths
+    # Named sources (prompts.iter_prompts: sharegpt, pystdlib, mathgen, humaneval) or JSONL paths;
+    # "name@N" takes a seeded sample of N prompts of that source.
+    prompt_sources: tuple[str, ...] = ("sharegpt",)
     max_prompts: int = 4000
     heldout_fraction: float = 0.05
     max_heldout_prompts: int = 64

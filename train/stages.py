@@ -31,16 +31,31 @@ def load_target(cfg: TrainConfig):
     return ds.load_target(cfg.target)
 
 
+def _source_spec(spec: str) -> tuple[str, int | None]:
+    """'name' or 'name@N' (at most N prompts of that source, a seeded sample)."""
+    src, at, cap = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    if not at:
+        return spec, None
+    if not cap.isdigit() or int(cap) <= 0:
+        raise ValueError(f"prompt source {spec!r}: expected 'name@N' with N a positive integer")
+    return src, int(cap)
+
+
 def _prompts(cfg: TrainConfig, target):
     """(train prompts, held-out prompts); 'synthetic' gives token-id prompts for tiny targets."""
     rng = np.random.default_rng(cfg.seed)
     allp: list = []
-    for src in cfg.prompt_sources:
+    for spec in cfg.prompt_sources:
+        src, cap = _source_spec(spec)
         if src == "synthetic":
             V = target.cfg.vocab_size
-            allp += [[1] + rng.integers(3, V, int(rng.integers(4, 12))).tolist() for _ in range(cfg.max_prompts)]
+            got = [[1] + rng.integers(3, V, int(rng.integers(4, 12))).tolist() for _ in range(cfg.max_prompts)]
         else:
-            allp += list(iter_prompts(src))
+            got = list(iter_prompts(src))
+        if cap is not None:  # a seeded sample of this source only
+            random.Random(f"{cfg.seed}:{src}").shuffle(got)
+            got = got[:cap]
+        allp += got
     if not allp:
         raise ValueError(f"the prompt sources {cfg.prompt_sources} hold no prompts")
     random.Random(cfg.seed).shuffle(allp)
@@ -88,11 +103,52 @@ def _init_drafter(cfg: TrainConfig, dcfg: ds.DrafterConfig, workdir: str) -> DSp
         # Start from the parallel (DFlash) drafter: the sequential bias begins at zero.
         model.head.w2.set_value(jnp.zeros_like(model.head.w2[...]))
     if dcfg.draft_vocab_size:
-        path = os.path.join(workdir, "data", "token_counts.npy")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} is missing: run the data stage first")
-        model.draft_ids.set_value(jnp.asarray(records.draft_vocabulary(np.load(path), dcfg.draft_vocab_size)))
+        model.draft_ids.set_value(jnp.asarray(_draft_ids(cfg, dcfg, workdir)))
     return model
+
+
+def _draft_ids(cfg: TrainConfig, dcfg: ds.DrafterConfig, workdir: str) -> np.ndarray:
+    """This workdir's draft vocabulary: the most frequent supervised tokens of its data, fixed
+    in `workdir/draft_ids.npy` the first time it is needed (later stages read the same file)."""
+    path = os.path.join(workdir, "draft_ids.npy")
+    if os.path.exists(path):
+        ids = np.load(path)
+        if ids.shape != (dcfg.draft_vocab_size,):
+            raise ValueError(f"{path} holds {ids.shape[0]} draft tokens; the config asks for {dcfg.draft_vocab_size}")
+        return ids
+    ids = _vocabulary_of(workdir, dcfg.draft_vocab_size)
+    tmp = path + ".tmp.npy"
+    np.save(tmp, ids)
+    os.replace(tmp, path)
+    return ids
+
+
+def _vocabulary_of(workdir: str, size: int) -> np.ndarray:
+    path = os.path.join(workdir, "draft_ids.npy")
+    if os.path.exists(path):
+        return np.load(path)
+    counts = os.path.join(workdir, "data", "token_counts.npy")
+    if not os.path.exists(counts):
+        raise FileNotFoundError(f"{counts} is missing: run the data stage first")
+    return records.draft_vocabulary(np.load(counts), size)
+
+
+def remap_proposal_columns(params, old_ids: np.ndarray, new_ids: np.ndarray):
+    """Warm start across draft vocabularies: the sequential head's W2 [R, P] has one column per
+    draft token; a token kept from the old vocabulary keeps its column, a new one starts at zero
+    (no transition bias, as a fresh drafter starts). Nothing else depends on the vocabulary."""
+    where = {int(t): i for i, t in enumerate(np.asarray(old_ids))}
+    src = np.array([where.get(int(t), -1) for t in np.asarray(new_ids)])
+
+    def fix(path, x):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if "head" in names and "w2" in names:
+            a = np.asarray(x)
+            out = np.where(src[None, :] >= 0, a[:, np.maximum(src, 0)], 0).astype(a.dtype)
+            return jax.device_put(out, x.sharding) if isinstance(x, jax.Array) else out
+        return x
+
+    return jax.tree_util.tree_map_with_path(fix, params), int((src >= 0).sum())
 
 
 class _FeatureCache:
@@ -187,7 +243,15 @@ def train(cfg: TrainConfig, workdir: str) -> None:
         restored = src.restore(src_step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))))
         src.close()
-        state = state.replace(params=restored["state"].params)
+        params = restored["state"].params
+        if dcfg.draft_vocab_size and dcfg.rank:
+            old_ids = _vocabulary_of(cfg.init_from, dcfg.draft_vocab_size)
+            new_ids = _draft_ids(cfg, dcfg, workdir)
+            if not np.array_equal(old_ids, new_ids):
+                params, kept = remap_proposal_columns(params, old_ids, new_ids)
+                print(f"[train] draft vocabulary: {kept} of {len(new_ids)} tokens kept their head columns "
+                      f"from {cfg.init_from}", file=sys.stderr)
+        state = state.replace(params=params)
         print(f"[train] parameters from {cfg.init_from} (step {src_step}), fresh optimizer", file=sys.stderr)
     if mgr.latest_step() is not None:
         step = mgr.latest_step()

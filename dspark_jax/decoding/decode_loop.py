@@ -1,10 +1,10 @@
 """The on-device decode loop: the decode state, one speculative (or autoregressive) cycle, the loop.
 
-Letter legend: S request slots, K verified drafts per cycle (max), N packed tokens
-(≤ S·(K+1)), U packed-token buckets, T cache length, O output buffer, V vocab, F tapped
-target features.
+Shape letters (docs/architecture.md, "Shape letters"): S request slots, G draft positions per cycle (γ), N
+packed tokens (≤ S·(G+1)), U packed-token buckets, T cache length, O output buffer, J one
+cycle's tokens, M stop ids, V vocab, F tapped target features.
 
-One cycle (docs/method.md §5, docs/architecture.md): draft → choose ℓ_r ≤ K per slot → pack [anchor, d_1..d_ℓ] of
+One cycle (docs/method.md §5, docs/architecture.md): draft → choose ℓ_r ≤ G per slot → pack [anchor, d_1..d_ℓ] of
 every slot into one static bucket → one packed target step (logits + features) →
 verify → commit (rejected cache positions are overwritten later, never read) → append the
 features of anchor + accepted drafts to the drafter's context cache → the last emitted
@@ -121,7 +121,7 @@ class GenState:
     reach_w: Any = None  # [S, K] decayed count of verified drafts whose prefix was accepted
     steps: Any = None  # [] cycles run by the loop (with any active slot)
     drafted_steps: Any = None  # [] of which drafted
-    budget_sum: Any = None  # [] Σ packed tokens used (B = R + Σℓ)
+    budget_sum: Any = None  # [] Σ packed tokens used (N = S + Σℓ)
     bucket_sum: Any = None  # [] Σ packed tokens paid for (the bucket of each step)
 
     @classmethod

@@ -1,9 +1,11 @@
 """`generate()`: the public, batched entry point (autoregressive or speculative).
 
-Host side: render/tokenise prompts, validate, pick static buckets (batch, cache length,
-output buffer, prefill size) so that repeated calls of similar size compile nothing new,
-run the jitted prefill and decode loop (in chunks when stop strings need a host check),
-then detokenise and gather statistics.
+Host side, in four steps: `_plan` renders/tokenises the prompts, validates them and picks
+static buckets (batch, cache length, output buffer, prefill size) so that repeated calls of
+similar size compile nothing new; `_prefill` writes each prompt into its slot; `_run` drives
+the jitted decode loop (in chunks when stop strings need a host check, moving to larger
+attention windows and compacting finished slots); `_report` detokenises and gathers the
+statistics.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class GenerationStats(TypedDict, total=False):
     acceptance_per_position: list[float]  # P(draft k accepted | verified and reached), k = 1..K
     verified_per_request: list[int]  # Σ ℓ_r: drafts sent to the target, per request
     mean_verified: list[float]  # drafts verified per cycle, per request
-    budget_per_step: float  # packed tokens used per target step (R + Σ ℓ)
+    budget_per_step: float  # packed tokens used per target step (S + Σ ℓ)
     bucket_per_step: float  # packed tokens paid for per step (the bucket)
     drafted_steps: float  # fraction of steps that ran the drafter (< 1 when async skipped it)
     step_rates: dict[str, Any]  # the scheduler's step-rate table
@@ -187,7 +189,46 @@ def generate(
                                chunk_cycles=chunk_cycles, prefill_chunk=prefill_chunk,
                                batched_prefill=batched_prefill)
     policy, drafter, K = config.resolve(target, drafter)
+    plan = _plan(target, prompts, sampling, config, K)
+    st, sa = _initial_state(target, drafter, plan)
+    settings, sched, rates_table = loop_settings(target, drafter, config.loop_schedule(policy), K, plan.S, plan.T,
+                                                  config.threshold, step_rates, reprofile)
+    c0, cs0 = compile_stats.snapshot()
+    t0 = time.perf_counter()
+    st = _prefill(target, drafter, st, sa, plan, config)
+    jax.block_until_ready(st.n_out)
+    t1 = time.perf_counter()
+    run = _run(target, drafter, st, sa, plan, config, settings, sched)
+    t2 = time.perf_counter()
+    c1, cs1 = compile_stats.snapshot()
+    return _report(target, drafter, plan, run, policy, settings, rates_table,
+                   prefill_s=t1 - t0, decode_s=t2 - t1, compiles=c1 - c0, compile_s=cs1 - cs0)
 
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What one `generate()` call runs: the encoded prompts and their sampling, and the static
+    buckets — S slots, T cache length, O output buffer, the prefill query rows and chunk — so
+    that a later call of similar size compiles nothing new."""
+
+    ids: list[list[int]]
+    params: list[SamplingParams]
+    seeds: list[int]
+    K: int  # drafts verified per cycle (the loop's static maximum)
+    S: int
+    T: int
+    O: int
+    q_prefill: int
+    chunk: int
+    windows: list[int]  # attention windows ([] = always the whole cache)
+
+    @property
+    def B(self) -> int:
+        return len(self.ids)
+
+
+def _plan(target: Target, prompts, sampling, config: DecodeConfig, K: int) -> _Plan:
+    """Validates the request batch (bad input raises before anything runs) and picks buckets."""
     prompts = _normalize_prompts(prompts)
     B = len(prompts)
     if sampling is None:
@@ -205,60 +246,82 @@ def generate(
             )
     if any(sp.stop for sp in params) and target.tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-
-    # Static buckets: a later call of similar size reuses the compiled programs.
     S = next_pow2(B)
     max_new = max(sp.max_new_tokens for sp in params)
     # Capped at the context: a prompt that fits the model never gets a cache twice its size.
     # Positions past the cap are only ever written by scratch drafts beyond max_new (dropped).
     T = min(next_pow2(max(len(x) for x in ids) + max_new + K + 1, 128), cfg.max_position_embeddings)
-    O = next_pow2(max_new) + K + 1
     q_prefill = min(next_pow2(max(len(x) for x in ids), 16), cfg.max_position_embeddings)
-    chunk = min(config.prefill_chunk, q_prefill)  # prompt tokens per prefill step of one request
+    return _Plan(ids=ids, params=params, seeds=[resolve_seed(sp.seed) for sp in params], K=K, S=S, T=T,
+                 O=next_pow2(max_new) + K + 1, q_prefill=q_prefill,
+                 chunk=min(config.prefill_chunk, q_prefill),  # prompt tokens per prefill step of one request
+                 windows=attention_windows(T) if config.windowed_attention else [])
 
-    stop_ids = stop_id_table(params, target.eos_token_ids, S)
 
-    pad_params = params + [SamplingParams(temperature=0.0)] * (S - B)
-    sa = SamplingArrays.from_params(pad_params)
+def _initial_state(target: Target, drafter, plan: _Plan) -> tuple[GenState, SamplingArrays]:
+    """The decode state (empty caches, per-slot limits, keys and stop ids) and the sampling
+    arrays; padding slots are inactive and greedy."""
+    S, B = plan.S, plan.B
+    sa = SamplingArrays.from_params(plan.params + [SamplingParams(temperature=0.0)] * (S - B))
+    max_new = np.ones(S, np.int32)
+    max_new[:B] = [sp.max_new_tokens for sp in plan.params]
+    keys = request_keys(plan.seeds + [0] * (S - B))  # padding rows: any fixed key
+    st = GenState.create(target.cfg, drafter, drafter.params if drafter is not None else None, slots=S,
+                         cache_len=plan.T, out_len=plan.O, num_draft=plan.K, active=np.arange(S) < B,
+                         max_new=max_new, keys=keys, stop_ids=stop_id_table(plan.params, target.eos_token_ids, S))
+    return st, sa
+
+
+def _prefill(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _Plan, config: DecodeConfig) -> GenState:
+    """Writes every prompt into its slot's caches and samples each request's first token."""
+    dparams = drafter.params if drafter is not None else None
+    ids, S, B = plan.ids, plan.S, plan.B
     lens = np.zeros(S, np.int32)
     lens[:B] = [len(x) for x in ids]
-    max_new_arr = np.ones(S, np.int32)
-    max_new_arr[:B] = [sp.max_new_tokens for sp in params]
-    seeds = [resolve_seed(sp.seed) for sp in params] + [0] * (S - B)  # padding rows: any fixed key
-    keys = request_keys(seeds)
-    dparams = drafter.params if drafter is not None else None
-    st = GenState.create(cfg, drafter, dparams, slots=S, cache_len=T, out_len=O, num_draft=K,
-                         active=np.arange(S) < B, max_new=max_new_arr, keys=keys, stop_ids=stop_ids)
-    settings, sched, rates_table = loop_settings(target, drafter, config.loop_schedule(policy), K, S, T,
-                                                  config.threshold, step_rates, reprofile)
-    c0, cs0 = compile_stats.snapshot()
-    t0 = time.perf_counter()
-    windows = attention_windows(T) if config.windowed_attention else []
-    kvw = pick_window(windows, int(lens.max()))
     if config.batched_prefill:
         tokens = np.zeros(next_pow2(int(lens.sum()), 16), np.int32)
         tokens[: lens.sum()] = np.concatenate(ids)
-        st = prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens), jnp.asarray(lens), sa,
-                     q_max=q_prefill, chunk=min(config.prefill_chunk, tokens.size), kv_window=kvw)
-    else:
-        # One request at a time, each into its own cache row: cost Σ over the prompts (the
-        # batched program's [S, chunk] query grid grows with S²). Each prompt runs in its own
-        # buckets — query rows rounded up to a power of two, the attention window that holds
-        # it — so a short prompt never pays for the batch's longest (one program per bucket).
-        cache, dcache = st.cache, st.dcache
-        last = []
-        for i, x in enumerate(ids):
-            qx = min(next_pow2(len(x), 16), q_prefill)
-            buf = np.zeros(qx, np.int32)
-            buf[: len(x)] = x
-            lg, cache, dcache = prefill_one(target.graphdef, target.state, drafter, dparams, cache, dcache,
-                                            jnp.int32(i), jnp.asarray(buf), jnp.int32(len(x)),
-                                            chunk=min(chunk, qx), kv_window=pick_window(windows, len(x)))
-            last.append(lg)
-        logits = jnp.stack(last + [jnp.zeros_like(last[0])] * (S - B))
-        st = start_decoding(st.replace(cache=cache, dcache=dcache), logits, jnp.asarray(lens), sa)
-    jax.block_until_ready(st.n_out)
-    t1 = time.perf_counter()
+        return prefill(target.graphdef, target.state, drafter, dparams, st, jnp.asarray(tokens), jnp.asarray(lens), sa,
+                       q_max=plan.q_prefill, chunk=min(config.prefill_chunk, tokens.size),
+                       kv_window=pick_window(plan.windows, int(lens.max())))
+    # One request at a time, each into its own cache row: cost Σ over the prompts (the
+    # batched program's [S, chunk] query grid grows with S²). Each prompt runs in its own
+    # buckets — query rows rounded up to a power of two, the attention window that holds
+    # it — so a short prompt never pays for the batch's longest (one program per bucket).
+    cache, dcache = st.cache, st.dcache
+    last = []
+    for i, x in enumerate(ids):
+        qx = min(next_pow2(len(x), 16), plan.q_prefill)
+        buf = np.zeros(qx, np.int32)
+        buf[: len(x)] = x
+        lg, cache, dcache = prefill_one(target.graphdef, target.state, drafter, dparams, cache, dcache,
+                                        jnp.int32(i), jnp.asarray(buf), jnp.int32(len(x)),
+                                        chunk=min(plan.chunk, qx), kv_window=pick_window(plan.windows, len(x)))
+        last.append(lg)
+    logits = jnp.stack(last + [jnp.zeros_like(last[0])] * (S - B))
+    return start_decoding(st.replace(cache=cache, dcache=dcache), logits, jnp.asarray(lens), sa)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the decode loop left: the last state, each request's saved results (`final`), the
+    stop-string cuts, and the attention windows and slot buckets it ran in."""
+
+    st: GenState
+    final: dict[int, dict[str, np.ndarray]]
+    cut: dict[int, tuple[list[int], str]]
+    windows: list[int]
+    slot_buckets: list[int]
+
+
+def _run(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _Plan, config: DecodeConfig,
+         settings: LoopSettings, sched) -> _Run:
+    """Runs the jitted decode loop until every request is done: in one call, or in chunks of
+    `chunk_cycles` when stop strings need a host check, moving to a bigger attention window as
+    contexts grow and compacting the slots as requests finish."""
+    params, S, B, K = plan.params, plan.S, plan.B, plan.K
+    dparams = drafter.params if drafter is not None else None
+    max_new = max(sp.max_new_tokens for sp in params)
     use_host_stops = any(sp.stop for sp in params)
     cut: dict[int, tuple[list[int], str]] = {}
     used_windows, used_slots = [], [S]
@@ -274,7 +337,7 @@ def generate(
         # window, or until the slots compact); with them, chunks let the host stop early.
         max_cycles = config.chunk_cycles if use_host_stops else max_new + 1
         seq_len = np.asarray(st.seq_len)
-        window = pick_window(windows, int(seq_len[~done].max(initial=0)) + K + 1)
+        window = pick_window(plan.windows, int(seq_len[~done].max(initial=0)) + K + 1)
         if window not in used_windows:
             used_windows.append(window)
         n_slots = len(rows)
@@ -306,9 +369,14 @@ def generate(
             rows = np.concatenate([rows[keep], np.full(len(pad), -1)])
             done = np.array(st.done)
             used_slots.append(n_new)
-    t2 = time.perf_counter()
     _save_rows(final, st, rows, np.arange(len(rows)))
+    return _Run(st=st, final=final, cut=cut, windows=used_windows, slot_buckets=used_slots)
 
+
+def _report(target: Target, drafter, plan: _Plan, run: _Run, policy, settings: LoopSettings, rates_table, *,
+            prefill_s: float, decode_s: float, compiles: int, compile_s: float) -> GenerationOutput:
+    """Texts, token ids and `GenerationStats` of a finished run."""
+    B, final, cut, st = plan.B, run.final, run.cut, run.st
     token_ids, texts = [], []
     for i in range(B):
         if i in cut:
@@ -319,8 +387,6 @@ def generate(
         token_ids.append(t)
         texts.append(target.tokenizer.decode(t) if target.tokenizer is not None else "")
     n_tok = int(sum(len(t) for t in token_ids))
-    c1, cs1 = compile_stats.snapshot()
-    compile_s = cs1 - cs0
 
     def per_request(name):
         return np.stack([final[i][name] for i in range(B)])
@@ -328,19 +394,19 @@ def generate(
     cycles = per_request("cycles")
     stats: GenerationStats = {
         "policy": policy,
-        "num_draft": K,
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
+        "num_draft": plan.K,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
         "new_tokens": n_tok,
         "compile_s": compile_s,
-        "compiles": c1 - c0,
+        "compiles": compiles,
         # Throughput excludes compile time (zero on a warm call with the same buckets).
-        "tokens_per_s": n_tok / max(t2 - t0 - compile_s, 1e-9),
+        "tokens_per_s": n_tok / max(prefill_s + decode_s - compile_s, 1e-9),
         "cycles": cycles.tolist(),
-        "seeds": seeds[:B],  # what each request ran with (drawn fresh where seed=None): rerun with these
-        "buckets": {"slots": S, "cache_len": T, "out_len": O, "prefill_tokens": q_prefill,
-                    "prefill_chunk": chunk, "attention_windows": [w or T for w in used_windows],
-                    "slot_buckets": used_slots},
+        "seeds": plan.seeds,  # what each request ran with (drawn fresh where seed=None): rerun with these
+        "buckets": {"slots": plan.S, "cache_len": plan.T, "out_len": plan.O, "prefill_tokens": plan.q_prefill,
+                    "prefill_chunk": plan.chunk, "attention_windows": [w or plan.T for w in run.windows],
+                    "slot_buckets": run.slot_buckets},
     }
     if drafter is not None:
         reached = per_request("reached").sum(0)
@@ -351,7 +417,7 @@ def generate(
         steps = max(int(st.steps), 1)
         stats["verified_per_request"] = verified.tolist()  # Σ ℓ_r: drafts sent to the target
         stats["mean_verified"] = (verified / np.maximum(cycles, 1)).tolist()  # per cycle
-        stats["budget_per_step"] = int(st.budget_sum) / steps  # packed tokens used, B = R + Σℓ
+        stats["budget_per_step"] = int(st.budget_sum) / steps  # packed tokens used, N = S + Σℓ
         stats["bucket_per_step"] = int(st.bucket_sum) / steps  # packed tokens paid for
         stats["drafted_steps"] = int(st.drafted_steps) / steps  # < 1 when async skipped drafting
         if rates_table is not None:

@@ -9,7 +9,7 @@
   for some slots (the others keep their state), the slots whose prompt completes start
   decoding.
 
-Letter legend: as in `decode_loop.py`; P admission tokens.
+Shape letters (docs/architecture.md, "Shape letters"): as in `decode_loop.py`; N admission tokens.
 """
 
 from __future__ import annotations

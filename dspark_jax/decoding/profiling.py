@@ -1,7 +1,7 @@
 """Step-rate tables: how many decode steps per second each static bucket runs.
 
-Letter legend: S request slots, K drafts per slot (max), N packed tokens, U buckets,
-T cache length, V vocab.
+Shape letters (docs/architecture.md, "Shape letters"): S request slots, G drafts per slot (max), N packed
+tokens, U buckets, T cache length, V vocab.
 
 Cost model: step time = draft(S) + verify(S, N) — the drafter runs once per slot whatever
 the budget, the packed target step costs by its bucket. A step that skips drafting (async,

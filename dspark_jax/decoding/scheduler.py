@@ -1,11 +1,12 @@
 """Confidence-scheduled verification lengths (lossless prefix schedulers).
 
-Letter legend: R requests (slots), G draft positions γ, M = R·G candidates, U buckets.
+Shape letters (docs/architecture.md, "Shape letters"): S requests (slots), G draft positions γ, C = S·G
+candidates (request, draft position), U buckets.
 
-Every scheduler maps calibrated per-position conditional confidences c′ [R, G] to
-verification lengths ℓ [R] (a prefix of each request's drafts). The survival
+Every scheduler maps calibrated per-position conditional confidences c′ [S, G] to
+verification lengths ℓ [S] (a prefix of each request's drafts). The survival
 a_{r,j} = Π_{i≤j} c′_{r,i} is the probability that draft j of request r is accepted; a step
-verifying B = R + Σℓ packed tokens yields τ = R + Σ_{admitted} a tokens in expectation and
+verifying N = S + Σℓ packed tokens yields τ = S + Σ_{admitted} a tokens in expectation and
 runs at SPS(B) steps/s, so tokens/s is Θ = τ · SPS(B).
 
 Why these rules are lossless: a rule may decide whether draft (r, j) is verified from
@@ -41,30 +42,30 @@ import jax.numpy as jnp
 SCHEDULES = ("sync", "async", "threshold", "fixed")
 
 
-def survival(conf_RG: jax.Array) -> jax.Array:
+def survival(conf_SG: jax.Array) -> jax.Array:
     """a_{r,j} = Π_{i≤j} c′_{r,i}, with c′ clipped to [0, 1] so a is non-increasing in j
     (rounding x·c with c ≤ 1 never exceeds x, so the float product is monotone too)."""
-    return jnp.cumprod(jnp.clip(conf_RG.astype(jnp.float32), 0.0, 1.0), axis=1)
+    return jnp.cumprod(jnp.clip(conf_SG.astype(jnp.float32), 0.0, 1.0), axis=1)
 
 
-def _rank_order(a_RG, avail_RG):
+def _rank_order(a_SG, avail_SG):
     """Candidate order: survival descending, unavailable last; ties by position j, then r.
 
     Flattening j-major and sorting stably puts (r, j) before (r, j+1) on ties (c′ = 1), so
     the sorted order always admits prefixes. Returns (order [M] into the j-major flat
     index, sorted survival [M], sorted availability [M])."""
-    a_M = jnp.where(avail_RG, a_RG, -1.0).T.reshape(-1)
-    order = jnp.argsort(-a_M, stable=True)
-    return order, a_M[order], (a_M >= 0)[order]
+    a_C = jnp.where(avail_SG, a_SG, -1.0).T.reshape(-1)
+    order = jnp.argsort(-a_C, stable=True)
+    return order, a_C[order], (a_C >= 0)[order]
 
 
-def _lengths_from_count(order_M, n_admit, shape_RG):
+def _lengths_from_count(order_C, n_admit, shape_SG):
     """ℓ_r of admitting the first `n_admit` candidates in `order` (a prefix per request)."""
-    R, G = shape_RG
-    admitted_M = jnp.zeros(order_M.shape, bool).at[order_M].set(jnp.arange(order_M.shape[0]) < n_admit)
-    adm_RG = admitted_M.reshape(G, R).T
+    S, G = shape_SG
+    admitted_C = jnp.zeros(order_C.shape, bool).at[order_C].set(jnp.arange(order_C.shape[0]) < n_admit)
+    adm_SG = admitted_C.reshape(G, S).T
     # Leading run, not the count: robust even if a caller's availability mask had holes.
-    return jnp.sum(jnp.cumprod(adm_RG.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(adm_SG.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
 def bucket_index(B, buckets: Sequence[int]):
@@ -78,10 +79,10 @@ def rate_at(B, rates_U, buckets: Sequence[int]):
     return jnp.where(u < len(buckets), rates_U[jnp.minimum(u, len(buckets) - 1)], 0.0)
 
 
-def _sync_count(a_sorted_M, avail_sorted_M, R, rates_U, buckets):
+def _sync_count(a_sorted_C, avail_sorted_C, S, rates_U, buckets):
     """Algorithm 1 over static buckets, vectorised. Returns the number of candidates admitted.
 
-    Start in the smallest bucket holding the R anchors, filled with the best candidates
+    Start in the smallest bucket holding the S anchors, filled with the best candidates
     (free: the step costs the same). Open the next bucket only if it raises Θ even
     optimistically — every new slot as good as the best candidate left, the one at the
     bucket edge — and stop at the first bucket that does not. Each decision reads the
@@ -89,79 +90,79 @@ def _sync_count(a_sorted_M, avail_sorted_M, R, rates_U, buckets):
     one bucket per token count this is exactly Algorithm 1 (each new "bucket" holds just
     the edge candidate). Admitting one candidate at a time on a staircase instead would
     stall at every edge: one candidate rarely pays for a whole bucket's extra cost."""
-    M = a_sorted_M.shape[0]
+    M = a_sorted_C.shape[0]
     U = len(buckets)
-    n_avail = jnp.sum(avail_sorted_M)
-    n_U = jnp.clip(jnp.asarray(buckets, jnp.int32) - R, 0, n_avail)  # candidates bucket u holds
-    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted_M, a_sorted_M, 0.0))])
+    n_avail = jnp.sum(avail_sorted_C)
+    n_U = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, n_avail)  # candidates bucket u holds
+    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted_C, a_sorted_C, 0.0))])
     rates_U = jnp.asarray(rates_U, jnp.float32)
-    theta_fill = (R + csum[n_U]) * rates_U
+    theta_fill = (S + csum[n_U]) * rates_U
     prev_n = jnp.concatenate([jnp.zeros((1,), jnp.int32), n_U[:-1]])
-    a_edge = jnp.where(prev_n < n_avail, a_sorted_M[jnp.clip(prev_n, 0, M - 1)], 0.0)
-    theta_est = (R + csum[prev_n] + (n_U - prev_n) * a_edge) * rates_U
+    a_edge = jnp.where(prev_n < n_avail, a_sorted_C[jnp.clip(prev_n, 0, M - 1)], 0.0)
+    theta_est = (S + csum[prev_n] + (n_U - prev_n) * a_edge) * rates_U
     prev_theta = jnp.concatenate([jnp.full((1,), -jnp.inf), theta_fill[:-1]])
-    u0 = bucket_index(R, buckets)
+    u0 = bucket_index(S, buckets)
     u = jnp.arange(U)
     opens = (u <= u0) | ((theta_est > prev_theta) & (n_U > prev_n))
     u_star = jnp.clip(jnp.sum(jnp.cumprod(opens.astype(jnp.int32))) - 1, 0, U - 1)
     return n_U[u_star]
 
 
-def _fill_count(n_admit, avail_sorted_M, R, buckets):
+def _fill_count(n_admit, avail_sorted_C, S, buckets):
     """Admits the next-best candidates up to the capacity of the bucket already chosen."""
-    u = jnp.minimum(bucket_index(R + n_admit, buckets), len(buckets) - 1)
-    cap = jnp.asarray(buckets, jnp.int32)[u] - R
-    return jnp.clip(cap, n_admit, jnp.sum(avail_sorted_M))
+    u = jnp.minimum(bucket_index(S + n_admit, buckets), len(buckets) - 1)
+    cap = jnp.asarray(buckets, jnp.int32)[u] - S
+    return jnp.clip(cap, n_admit, jnp.sum(avail_sorted_C))
 
 
-def async_budget(prev_conf_RG, active_R, caps_R, rates_U, buckets: Sequence[int], skip_rate=None):
+def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int], skip_rate=None):
     """The bucket for this step from *earlier* confidences (never this step's drafts).
 
-    Unconstrained search over the buckets: Θ_u = (R + top-(N_u − R) predicted survival) ·
+    Unconstrained search over the buckets: Θ_u = (S + top-(N_u − S) predicted survival) ·
     SPS_u. With `skip_rate` (the rate of a step that does not draft at all), returns −1
     when skipping drafting beats every bucket: a useless drafter then costs nothing.
     """
-    a_pred = survival(prev_conf_RG)
-    avail = active_R[:, None] & (jnp.arange(a_pred.shape[1])[None] < caps_R[:, None])
+    a_pred = survival(prev_conf_SG)
+    avail = active_S[:, None] & (jnp.arange(a_pred.shape[1])[None] < caps_S[:, None])
     _, a_sorted, avail_sorted = _rank_order(a_pred, avail)
-    R = jnp.sum(active_R).astype(jnp.int32)
+    S = jnp.sum(active_S).astype(jnp.int32)
     csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
-    n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - R, 0, a_sorted.shape[0])
-    fits = jnp.asarray(buckets, jnp.int32) >= R
-    theta_U = jnp.where(fits, (R + csum[n_u]) * jnp.asarray(rates_U, jnp.float32), -1.0)
+    n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, a_sorted.shape[0])
+    fits = jnp.asarray(buckets, jnp.int32) >= S
+    theta_U = jnp.where(fits, (S + csum[n_u]) * jnp.asarray(rates_U, jnp.float32), -1.0)
     u = jnp.argmax(theta_U).astype(jnp.int32)  # first maximum: the smallest such bucket
     if skip_rate is not None:
-        u = jnp.where(R * jnp.asarray(skip_rate, jnp.float32) >= theta_U[u], -1, u)
+        u = jnp.where(S * jnp.asarray(skip_rate, jnp.float32) >= theta_U[u], -1, u)
     return u
 
 
-def schedule_lengths(conf_RG, policy: str, rates_U, buckets, *, active_R, caps_R, k, threshold,
+def schedule_lengths(conf_SG, policy: str, rates_U, buckets, *, active_S, caps_S, k, threshold,
                      bucket_u, fill: bool):
-    """(ℓ [R], bucket index) for the given policy (the in-loop form of `schedule`; all
+    """(ℓ [S], bucket index) for the given policy (the in-loop form of `schedule`; all
     arguments already arrays/static, `bucket_u` the async budget)."""
-    R_all, G = conf_RG.shape
-    a = survival(conf_RG)
-    avail = active_R[:, None] & (jnp.arange(G)[None] < caps_R[:, None])
-    R = jnp.sum(active_R).astype(jnp.int32)
+    R_all, G = conf_SG.shape
+    a = survival(conf_SG)
+    avail = active_S[:, None] & (jnp.arange(G)[None] < caps_S[:, None])
+    S = jnp.sum(active_S).astype(jnp.int32)
     if policy == "fixed":
-        ell = jnp.where(active_R, jnp.minimum(k, caps_R), 0).astype(jnp.int32)
-        return ell, bucket_index(R + jnp.sum(ell), buckets)
+        ell = jnp.where(active_S, jnp.minimum(k, caps_S), 0).astype(jnp.int32)
+        return ell, bucket_index(S + jnp.sum(ell), buckets)
     order, a_sorted, avail_sorted = _rank_order(a, avail)
     if policy == "sync":
-        n = _sync_count(a_sorted, avail_sorted, R, rates_U, buckets)
+        n = _sync_count(a_sorted, avail_sorted, S, rates_U, buckets)
     elif policy == "threshold":
         n = jnp.sum(avail_sorted & (a_sorted >= threshold))
     elif policy == "async":
-        n = jnp.clip(jnp.asarray(buckets, jnp.int32)[jnp.maximum(bucket_u, 0)] - R, 0, None)
+        n = jnp.clip(jnp.asarray(buckets, jnp.int32)[jnp.maximum(bucket_u, 0)] - S, 0, None)
         n = jnp.where(bucket_u < 0, 0, jnp.minimum(n, jnp.sum(avail_sorted)))
     else:
         raise ValueError(f"policy must be one of {SCHEDULES}, got {policy!r}")
     if fill and policy == "threshold":  # sync and async fill their bucket by construction
-        n = _fill_count(n, avail_sorted, R, buckets)
+        n = _fill_count(n, avail_sorted, S, buckets)
     ell = _lengths_from_count(order, n, (R_all, G))
     # The smallest bucket holding what was admitted: below the async budget when fewer
     # candidates exist (the cost changes, the output distribution cannot).
-    return ell, bucket_index(R + jnp.sum(ell), buckets)
+    return ell, bucket_index(S + jnp.sum(ell), buckets)
 
 
 def as_table(sps, num_buckets_hint: int | None = None) -> tuple[tuple[int, ...], jax.Array]:
@@ -182,29 +183,29 @@ def as_table(sps, num_buckets_hint: int | None = None) -> tuple[tuple[int, ...],
 
 
 def schedule(
-    confidences: jax.Array,  # [R, G]
+    confidences: jax.Array,  # [S, G]
     sps,
     policy: str = "sync",
     *,
     buckets: Sequence[int] | None = None,
-    prev_confidences: jax.Array | None = None,  # [R, G]
+    prev_confidences: jax.Array | None = None,  # [S, G]
     k: int | None = None,
     threshold: float | None = None,
-    active: jax.Array | None = None,  # [R] bool
-    caps: jax.Array | None = None,  # [R] int
+    active: jax.Array | None = None,  # [S] bool
+    caps: jax.Array | None = None,  # [S] int
     fill: bool = False,
     skip_rate: float | None = None,
 ) -> jax.Array:
-    """Verification lengths ℓ [R] from calibrated confidences c′ [R, G].
+    """Verification lengths ℓ [S] from calibrated confidences c′ [S, G].
 
     sps: the step-rate table — a mapping {packed tokens: steps/s}, or an array of rates over
       `buckets` (ascending packed-token sizes; without `buckets`, sps[i] is the rate at i + 1
-      tokens). A step of B = R + Σℓ tokens costs the rate of the smallest bucket ≥ B.
+      tokens). A step of N = S + Σℓ tokens costs the rate of the smallest bucket ≥ N.
     policy: "sync" (paper Algorithm 1, over static buckets: see `_sync_count`), "async"
       (budget from `prev_confidences`, the confidences of an earlier step, then top-K by
       current survival), "threshold" (ℓ_r = #{j: a_{r,j} ≥ threshold}), "fixed" (ℓ_r = k).
-    active [R] bool: requests taking part (others get 0 and do not count in B).
-    caps [R]: the most drafts each request may verify (default G).
+    active [S] bool: requests taking part (others get 0 and do not count in N).
+    caps [S]: the most drafts each request may verify (default G).
     skip_rate: "async": steps/s of a step that does not draft; when that beats every bucket
       the budget is 0 and every length is 0 (in the decode loop the drafter then does not run).
     fill: "threshold" admits next-best candidates into the chosen bucket's free slots
@@ -212,8 +213,8 @@ def schedule(
     """
     conf = jnp.asarray(confidences, jnp.float32)
     if conf.ndim != 2:
-        raise ValueError(f"confidences must be [R, G], got shape {conf.shape}")
-    R, G = conf.shape
+        raise ValueError(f"confidences must be [S, G], got shape {conf.shape}")
+    S, G = conf.shape
     if buckets is None:
         buckets, rates = as_table(sps)
     else:
@@ -223,8 +224,8 @@ def schedule(
             raise ValueError(f"sps has shape {rates.shape} but there are {len(buckets)} buckets")
     if list(buckets) != sorted(set(buckets)):
         raise ValueError(f"buckets must be strictly increasing, got {buckets}")
-    active = jnp.ones((R,), bool) if active is None else jnp.asarray(active, bool)
-    caps = jnp.full((R,), G, jnp.int32) if caps is None else jnp.clip(jnp.asarray(caps, jnp.int32), 0, G)
+    active = jnp.ones((S,), bool) if active is None else jnp.asarray(active, bool)
+    caps = jnp.full((S,), G, jnp.int32) if caps is None else jnp.clip(jnp.asarray(caps, jnp.int32), 0, G)
     bucket_u = jnp.int32(0)
     if policy == "fixed":
         if k is None or not 0 <= k <= G:
@@ -240,7 +241,7 @@ def schedule(
                                 skip_rate=skip_rate)
     elif policy not in SCHEDULES:
         raise ValueError(f"policy must be one of {SCHEDULES}, got {policy!r}")
-    ell, _ = schedule_lengths(conf, policy, rates, buckets, active_R=active, caps_R=caps, k=k or 0,
+    ell, _ = schedule_lengths(conf, policy, rates, buckets, active_S=active, caps_S=caps, k=k or 0,
                       threshold=threshold or 0.0, bucket_u=bucket_u, fill=fill)
 
     return ell

@@ -1,7 +1,8 @@
 """The sequential stage of the DSpark drafter (docs/method.md §2.2–2.3).
 
-Letter legend: S rows (requests, or batch × anchors in training), G block positions (γ),
-V vocab, D model width, R Markov rank.
+Shape letters (docs/architecture.md, "Shape letters"): S rows (requests, or batch × anchors in training), G
+block positions (γ), V vocab, P proposal vocab V′, W top-k candidates, D model width, R Markov
+rank.
 
 - `SequentialHead`: the transition bias B_k(x0, x<k) added to the parallel logits U_k.
   markov: B = W1[x_{k−1}] W2;  gated: B = (σ(W_g [h_k; W1[x]]) ⊙ W1[x]) W2;

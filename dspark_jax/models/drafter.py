@@ -1,8 +1,9 @@
 """The DSpark drafter: a parallel DFlash backbone on target features + the sequential heads.
 
-Letter legend: B batch rows (requests), T context positions, A anchors per row,
-G block size (γ), Q block queries (A·G in training, G at inference), N packed tokens,
-L draft layers, D width, F tapped features (n·D), K KV heads, E head dim, V vocab.
+Shape letters (docs/architecture.md, "Shape letters"): B batch rows (requests), T context positions, A anchors
+per row, G block size (γ), Q block queries (A·G in training, G at inference), X keys (context
+T + block queries), N packed tokens, L draft layers, D width, F tapped features (n·D), K KV
+heads, E head dim, V vocab.
 
 Backbone (docs/method.md §2.1): H_ctx = RMSNorm(W_fc [H(l1); …; H(ln)]) once; in every draft
 layer the block's queries attend to [k_proj(H_ctx); k_proj(H_block)] (same projections and

@@ -8,7 +8,7 @@
   output) — the "almost everything accepted" end of the spectrum, for tests and benchmarks.
 - Prompt lookup and the hybrid live in `models/ngram.py`.
 
-Letter legend: S slots, T cache length, G block size γ, N packed tokens, F features, V vocab.
+Shape letters (docs/architecture.md): S slots, T cache length, G block size γ, N packed tokens, F features, V vocab.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Building blocks shared by the target decoder and the drafter.
 
-Letter legend: S cache slots (requests), Q query positions per slot, T key positions,
-N packed tokens, D model width, H query heads, G heads per KV head, K KV heads,
-E head dim, F FFN width, V vocab.
+Shape letters (docs/architecture.md, "Shape letters"): S cache slots (requests), Q query positions per
+slot, T key positions, N packed tokens, D model width, H query heads, I query heads per KV
+head, K KV heads, E head dim, V vocab.
 
 Every parameter carries its logical axis names in the `axes` metadata; the rules table
 in `dspark_jax/sharding.py` maps them to mesh axes.

@@ -16,7 +16,7 @@ DSpark drafter, so it is lossless by the same rules:
   against the acceptances it observes. Positions past what the context can continue get
   confidence 0 (and token 0).
 
-Letter legend: S slots, T cache length, G block size γ, N packed tokens, V vocab, J the
+Shape letters (docs/architecture.md): S slots, T cache length, G block size γ, N packed tokens, V vocab, J the
 positions j = 0 .. max_ngram−1 back from the anchor.
 """
 

@@ -1,7 +1,8 @@
 """The target decoder (Llama / Qwen2 / Qwen3) with a slot-based KV cache.
 
-Letter legend: L layers, S cache slots, T cache length, Q max tokens per slot in one step,
-N packed tokens, D model width, K KV heads, E head dim, V vocab, F tapped features (n·D).
+Shape letters (docs/architecture.md, "Shape letters"): L layers, S cache slots, T cache length, Q max tokens
+per slot in one step, N packed tokens, D model width, K KV heads, E head dim, V vocab, F tapped
+features (n·D).
 
 One forward serves every use: a *packed step* takes a flat array of N tokens (N a static
 bucket size) laid out slot-major, described by per-slot `starts` (tokens already in the

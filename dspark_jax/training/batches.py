@@ -1,6 +1,6 @@
 """Training examples: fixed-length sequences with random anchors, through a grain pipeline.
 
-Letter legend: T sequence length (static), A anchors per sequence, G block size γ.
+Shape letters (docs/architecture.md): T sequence length (static), A anchors per sequence, G block size γ.
 
 An anchor at position i starts a block that predicts tokens i+1 .. i+γ. Anchors are drawn
 at random (random anchors beat fixed blocks: DFlash's ablation) among the positions whose

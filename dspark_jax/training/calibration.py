@@ -6,7 +6,8 @@ drafts verified per cycle), the drafter reporting its confidence logits before S
 drafts were verified and how many were accepted. `training/sts.py` fits the temperatures on
 them (NumPy); `with_temperatures` puts them into the drafter's config.
 
-Letter legend: N cycles, G block size γ, S slots of one collection batch.
+Shape letters (docs/architecture.md, "Shape letters"): Z cycles, G block size γ, S slots of one collection
+batch.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def _run_cycles(target, drafter: Drafter, ids: list[list[int]], params: list[Sam
 def collect_cycles(target, drafter: Drafter, prompts_token_ids, *, max_new_tokens: int,
                    sampling: SamplingParams | None = None, batch_size: int = 16):
     """Decodes every prompt speculatively (γ drafts verified per cycle, the engine's own cycle)
-    and records each cycle of each request: (raw confidence logits [N, G], accepted [N],
-    verified [N]), request-major. `sampling` (default: temperature 1) sets everything but
+    and records each cycle of each request: (raw confidence logits [Z, G], accepted [Z],
+    verified [Z]), request-major. `sampling` (default: temperature 1) sets everything but
     `max_new_tokens`; use the sampling the drafter will serve with."""
     if not isinstance(drafter, Drafter):
         raise TypeError(f"collect_cycles needs a ds.Drafter, got {type(drafter).__name__}")

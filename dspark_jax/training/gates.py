@@ -13,7 +13,7 @@ drafted from it is compared with the target's greedy choice at each of its γ po
 - `bigram_accuracy`: a count-based baseline (the most frequent next token after each anchor
   token, counted on training data) on the same positions.
 
-Letter legend: B sequences, T positions, A anchors, G block size γ, V vocab.
+Shape letters (docs/architecture.md): B sequences, T positions, A anchors, G block size γ, V vocab.
 """
 
 from __future__ import annotations

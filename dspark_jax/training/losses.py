@@ -1,6 +1,6 @@
 """The DSpark training loss (CE + TV + confidence) and its metrics.
 
-Letter legend: B sequences, A anchors, G block positions γ, V target vocab, P proposal
+Shape letters (docs/architecture.md): B sequences, A anchors, G block positions γ, V target vocab, P proposal
 vocab V′ (= V without a draft vocabulary).
 
 L = α_ce·L_ce + α_tv·L_tv + α_conf·L_conf + α_kl·L_kl, each term normalised by the sum of

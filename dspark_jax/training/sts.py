@@ -1,7 +1,7 @@
 """Sequential Temperature Scaling (STS): the NumPy fit and its report.
 
-Letter legend: N draft-and-verify cycles, G block size γ (draft positions per cycle),
-M grid temperatures.
+Shape letters (docs/architecture.md, "Shape letters"): Z draft-and-verify cycles, G block size γ (draft
+positions per cycle), Y grid temperatures.
 
 The confidence head predicts c_k = P(x_k accepted | x_<k accepted); a scheduler ranks
 candidates by the survival a_k = Π_{i≤k} c_i. STS rescales each position's logit,
@@ -29,7 +29,7 @@ DEFAULT_GRID = tuple(float(t) for t in 2.0 ** np.linspace(-3.0, 3.0, 49))
 
 
 def cumulative_events(accepted, verified, gamma: int):
-    """(accepted [N], verified [N]) → (event [N, G] float, observed [N, G] bool).
+    """(accepted [Z], verified [Z]) → (event [Z, G] float, observed [Z, G] bool).
 
     event_k = 1 iff drafts 1..k were all accepted (k is 1-based); it is observed iff k ≤ ℓ
     (the verified length). Inside the verified prefix every event is known, zeros after a
@@ -70,15 +70,15 @@ def ece(pred, event, observed=None, n_bins: int = 15) -> float:
     return float(_ece_rows(pred.reshape(1, -1), event.reshape(-1), n_bins)[0])
 
 
-def _ece_rows(pred_MN, event_N, n_bins):
-    """ECE of every row of pred_MN against the same events (one bincount for all rows)."""
-    M, N = pred_MN.shape
-    if N == 0:
-        return np.full(M, np.nan)
-    idx = _bin_index(pred_MN, n_bins) + n_bins * np.arange(M)[:, None]
-    sum_p = np.bincount(idx.ravel(), pred_MN.ravel(), M * n_bins).reshape(M, n_bins)
-    sum_e = np.bincount(idx.ravel(), np.broadcast_to(event_N, (M, N)).ravel(), M * n_bins).reshape(M, n_bins)
-    return np.abs(sum_p - sum_e).sum(1) / N  # Σ_b n_b/N · |Σp/n_b − Σe/n_b|
+def _ece_rows(pred_YZ, event_Z, n_bins):
+    """ECE of every row of pred_YZ against the same events (one bincount for all rows)."""
+    Y, Z = pred_YZ.shape
+    if Z == 0:
+        return np.full(Y, np.nan)
+    idx = _bin_index(pred_YZ, n_bins) + n_bins * np.arange(Y)[:, None]
+    sum_p = np.bincount(idx.ravel(), pred_YZ.ravel(), Y * n_bins).reshape(Y, n_bins)
+    sum_e = np.bincount(idx.ravel(), np.broadcast_to(event_Z, (Y, Z)).ravel(), Y * n_bins).reshape(Y, n_bins)
+    return np.abs(sum_p - sum_e).sum(1) / Z  # Σ_b n_b/Z · |Σp/n_b − Σe/n_b|
 
 
 # ----------------------------------------------------------------------------- STS
@@ -113,7 +113,8 @@ def fit_sts(conf_logits, event, observed, grid=None, n_bins: int = 15) -> tuple[
     event, observed = np.asarray(event, np.float64), np.asarray(observed, bool)
     if z.ndim != 2 or event.shape != z.shape or observed.shape != z.shape:
         raise ValueError(
-            f"conf_logits, event and observed must all be [N, G]; got {z.shape}, {event.shape}, {observed.shape}"
+            f"conf_logits, event and observed must all be [Z, G] (cycles × positions); got {z.shape}, "
+            f"{event.shape}, {observed.shape}"
         )
     if not np.all(np.isfinite(z)):
         raise ValueError("conf_logits contain NaN or inf")
@@ -127,8 +128,8 @@ def fit_sts(conf_logits, event, observed, grid=None, n_bins: int = 15) -> tuple[
         obs = observed[:, k]
         T = 1.0
         if obs.any():
-            pred_MN = prefix[obs][None] * _sigmoid(z[obs, k][None] / grid[:, None])
-            err = _ece_rows(pred_MN, event[obs, k], n_bins)
+            pred_YZ = prefix[obs][None] * _sigmoid(z[obs, k][None] / grid[:, None])
+            err = _ece_rows(pred_YZ, event[obs, k], n_bins)
             T = float(grid[np.lexsort((prefer, err))[0]])
         temps.append(T)
         prefix = prefix * _sigmoid(z[:, k] / T)
@@ -189,7 +190,7 @@ def fit_and_report(conf_logits, accepted, verified, gamma: int, png_path: str | 
     counts, and `png` (the reliability diagram's path, or None)."""
     z = np.asarray(conf_logits, np.float64)
     if z.ndim != 2 or z.shape[1] != gamma:
-        raise ValueError(f"conf_logits must be [N, gamma={gamma}], got {z.shape}")
+        raise ValueError(f"conf_logits must be [cycles, gamma={gamma}], got {z.shape}")
     if z.shape[0] == 0:
         raise ValueError("no cycles to calibrate on: collect some with collect_cycles first")
     event, observed = cumulative_events(accepted, verified, gamma)

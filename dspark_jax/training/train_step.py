@@ -1,6 +1,6 @@
 """One jitted drafter train step: frozen target → teacher-forced drafter → loss → AdamW.
 
-Letter legend: B sequences, T positions, A anchors, G block size γ, D width, F tapped
+Shape letters (docs/architecture.md): B sequences, T positions, A anchors, G block size γ, D width, F tapped
 features (n·D), V vocab, P proposal vocab V′.
 
 The target is frozen and runs inside the step ("online"): one forward gives the features
