@@ -25,7 +25,14 @@ def main(argv=None):
     ap.add_argument("--run", action="append", required=True, metavar="NAME=METRICS_JSONL")
     ap.add_argument("--out", required=True)
     ap.add_argument("--chain", action="store_true", help="continue each run's token axis where the previous ended")
+    ap.add_argument("--smooth", type=int, default=1,
+                    help="running mean over this many logged points (small batches log noisy per-step values)")
     args = ap.parse_args(argv)
+
+    def smooth(ys):
+        k = max(1, args.smooth)
+        return [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,11 +51,12 @@ def main(argv=None):
             toks.append(total / 1e6)
         if args.chain:
             offset = total
-        axes[0].plot(toks, [r.get("greedy_tau", float("nan")) for r in recs], label=f"{name}: greedy τ")
-        axes[0].plot(toks, [r["expected_tau"] for r in recs], "--", label=f"{name}: sampled τ (1 − TV)")
-        axes[1].plot(toks, [r["ce"] for r in recs], label=name)
+        axes[0].plot(toks, smooth([r.get("greedy_tau", float("nan")) for r in recs]), label=f"{name}: greedy τ")
+        axes[0].plot(toks, smooth([r["expected_tau"] for r in recs]), "--", label=f"{name}: sampled τ (1 − TV)")
+        axes[1].plot(toks, smooth([r["ce"] for r in recs]), label=name)
     axes[0].set_xlabel("supervised tokens (M)")
-    axes[0].set_ylabel("teacher-forced τ on training batches (γ = 7)")
+    axes[0].set_ylabel("teacher-forced τ on training batches (γ = 7)"
+                       + (f", mean of {args.smooth} logs" if args.smooth > 1 else ""))
     axes[0].legend(fontsize=8)
     axes[1].set_xlabel("supervised tokens (M)")
     axes[1].set_ylabel("CE (nats)")
