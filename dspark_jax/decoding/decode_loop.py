@@ -343,7 +343,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
             nv = jnp.clip(policy(conf, active, caps, sched.rates, buckets), 0, caps).astype(jnp.int32)
             u = bucket_index(jnp.sum(active) + jnp.sum(nv), buckets)
         else:
-            nv, u = schedule_lengths(conf, policy, sched.rates, buckets, active_R=active, caps_R=caps, k=K,
+            nv, u = schedule_lengths(conf, policy, sched.rates, buckets, active_S=active, caps_S=caps, k=K,
                                      threshold=sched.threshold, bucket_u=u, fill=True)
         nv = jnp.where(drafted, nv, 0)
         # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.

@@ -68,14 +68,14 @@ def _lengths_from_count(order_C, n_admit, shape_SG):
     return jnp.sum(jnp.cumprod(adm_SG.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-def bucket_index(B, buckets: Sequence[int]):
-    """Index of the smallest bucket holding B tokens (len(buckets) when none does)."""
-    return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), B, side="left")
+def bucket_index(N, buckets: Sequence[int]):
+    """Index of the smallest bucket holding N tokens (len(buckets) when none does)."""
+    return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), N, side="left")
 
 
-def rate_at(B, rates_U, buckets: Sequence[int]):
-    """SPS(B): the rate of the bucket B runs in; 0 above the largest bucket (impossible)."""
-    u = bucket_index(B, buckets)
+def rate_at(N, rates_U, buckets: Sequence[int]):
+    """SPS(N): the rate of the bucket N runs in; 0 above the largest bucket (impossible)."""
+    u = bucket_index(N, buckets)
     return jnp.where(u < len(buckets), rates_U[jnp.minimum(u, len(buckets) - 1)], 0.0)
 
 
