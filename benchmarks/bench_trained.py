@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax
 import numpy as np
 
 import dspark_jax as ds
@@ -33,6 +34,9 @@ def _chat(p):
 def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0), batch: int = 10) -> str:
     rows = []
     for name in DATASETS:
+        # XLA:CPU keeps every compiled program mapped; a long run of many shapes would reach
+        # the kernel's map limit (vm.max_map_count) and fail to compile: start each set afresh.
+        jax.clear_caches()
         prompts = [_chat(p) for p in eval_prompts(name, n_prompts)]
         for temp in temps:
             row = [name, temp]
@@ -57,14 +61,16 @@ def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 
     return table(hdr, rows)
 
 
-def speed_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0), policy="dspark") -> str:
+def speed_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0), policy="dspark",
+                datasets=DATASETS) -> str:
     """Batch-1 wall-clock speedup of each drafter over autoregressive decoding: per prompt,
     AR and every drafter run interleaved (the order rotates), compile excluded."""
     rows = []
     kinds = ["ar", *drafters]
-    for name in DATASETS:
+    for name in datasets:
         prompts = [_chat(p) for p in eval_prompts(name, n_prompts)]
         for temp in temps:
+            jax.clear_caches()  # as in tau_table: bounded compiled-program mappings
             sp = ds.SamplingParams(temperature=temp, max_new_tokens=max_new, seed=0)
 
             def run(kind, p, sp=sp):
@@ -115,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
                     help="another drafter for the τ table (repeatable), e.g. previous=runs/old_drafter")
     ap.add_argument("--policy", default="dspark", help="verification policy of the speed table (dspark | fixed)")
+    ap.add_argument("--speed-datasets", default=",".join(DATASETS), help="comma-separated sets of the speed table")
+    ap.add_argument("--speed-temperatures", default="0,1", help="comma-separated temperatures of the speed table")
     args = ap.parse_args(argv)
     target = ds.load_target(args.target, scan_layers=args.scan_layers)
     drafters = {"DSpark": ds.load_drafter(args.drafter, target)}
@@ -140,7 +148,9 @@ def main(argv=None):
         print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved, "
               f"policy {args.policy})\n")
         speed = {k: v for k, v in drafters.items() if k in ("DSpark", "prompt lookup", "hybrid")}
-        print(speed_table(target, speed, args.speed_prompts, args.max_new_tokens, policy=args.policy))
+        print(speed_table(target, speed, args.speed_prompts, args.max_new_tokens, policy=args.policy,
+                          datasets=args.speed_datasets.split(","),
+                          temps=tuple(float(t) for t in args.speed_temperatures.split(","))))
     print(f"\n{machine_load()} at end")
 
 
