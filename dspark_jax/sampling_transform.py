@@ -15,8 +15,15 @@ inside the kept set.
 Fast paths (all exact, selected by static flags so that each is its own program):
 - `all_greedy`: no transform and no categorical draw anywhere (their results would be
   thrown away); the draw over V costs as much as a small matmul on CPU.
-- `top_k_max`: when every sampled row has top-k on, `lax.top_k` over a static bound
-  replaces the full sort of V (a 49k-wide sort per row per step cost 60% of throughput).
+- `top_k_max`: when every sampled row has top-k on, `lax.top_k` over that static bound
+  is all the sorting there is.
+
+No full sort of V: otherwise the thresholds come from the `window` largest values
+(`lax.top_k`; a [32, 49152] sort took ~250 ms on 2 CPU cores, the top 256 ~5 ms), which
+decides every row whose top-k and top-p cut falls inside it; a row whose cut lies beyond it
+(k > window, or a top-p mass spread over more tokens) gets its exact threshold from a
+bisection over the float order (32 passes over V, `lax.cond`-guarded: only paid when a row
+needs it).
 """
 
 from __future__ import annotations
@@ -75,15 +82,69 @@ class SamplingArrays:
         return self.temperature == 0.0
 
 
-def transform_logits(logits, sa: SamplingArrays):
-    """logits [R, ..., V] (any number of middle axes) → transformed logits, fp32."""
+# Largest values taken with `lax.top_k` when no static top-k bound applies; a row whose
+# threshold lies beyond them falls back to the exact bisection.
+SORT_WINDOW = 256
+
+
+def _order_key(x):
+    """float32 → int32 with the same order (-0.0 and +0.0 map to one key: they are equal)."""
+    b = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.int32)
+    return jnp.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+def _key_value(key):
+    """Inverse of `_order_key`."""
+    return jax.lax.bitcast_convert_type(jnp.where(key >= 0, key, key ^ 0x7FFFFFFF), jnp.float32)
+
+
+def _bisect(keys, lo, hi, go_up):
+    """Bisection over int32 keys: `go_up(mid)` [R, 1] bool says the answer is ≥ mid (lo ← mid),
+    else it is < mid (hi ← mid). 32 halvings cover the whole int32 range. Returns (lo, hi)."""
+
+    def body(_, c):
+        lo, hi = c
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        up = go_up(mid)
+        return jnp.where(up, mid, lo), jnp.where(up, hi, mid)
+
+    return jax.lax.fori_loop(0, 32, body, (lo, hi))
+
+
+def _kth_largest(x, k):
+    """Exact k-th largest value of each row (x [R, V], k [R, 1] in 1..V), ties counted."""
+    keys = _order_key(x)
+    lo = jnp.min(keys, -1, keepdims=True)  # count(keys ≥ lo) = V ≥ k
+    hi = jnp.max(keys, -1, keepdims=True) + 1  # count(keys ≥ hi) = 0 < k
+    lo, _ = _bisect(keys, lo, hi, lambda mid: jnp.sum(keys >= mid, -1, keepdims=True) >= k)
+    return _key_value(lo)
+
+
+def _top_p_cut(x, m, z, top_p):
+    """Exact top-p threshold of each row: the smallest value whose strictly-larger mass
+    (softmax of x, max m, normaliser z) is below top_p; x [R, V], m/z/top_p [R, 1]."""
+    keys = _order_key(x)
+    p = jnp.exp(x - m) / z
+    lo = jnp.min(keys, -1, keepdims=True) - 1  # mass above: everything (≥ top_p)
+    hi = jnp.max(keys, -1, keepdims=True)  # mass above: nothing (< top_p)
+    _, hi = _bisect(keys, lo, hi,
+                    lambda mid: jnp.sum(jnp.where(keys > mid, p, 0.0), -1, keepdims=True) >= top_p)
+    return _key_value(hi)
+
+
+def transform_logits(logits, sa: SamplingArrays, window: int = SORT_WINDOW):
+    """logits [R, ..., V] (any number of middle axes) → transformed logits, fp32.
+
+    `window` (static): how many of the largest values `lax.top_k` takes when `sa.top_k_max`
+    does not bound top-k (module docstring); any value gives the same result."""
     x = logits.astype(jnp.float32)
     if sa.all_greedy:
         return x  # never sampled from: greedy paths read the raw argmax
-    extra = x.ndim - 2
+    shape = x.shape
+    x = x.reshape(shape[0], -1, shape[-1])  # [R, M, V]
 
-    def per_row(a):  # [R] → [R, 1, ..., 1]
-        return a.reshape(a.shape + (1,) * (extra + 1))
+    def per_row(a):  # [R] → [R, 1, 1]
+        return a.reshape(a.shape + (1, 1))
 
     t = per_row(sa.temperature)
     x = x / jnp.where(t > 0, t, 1.0)
@@ -91,37 +152,54 @@ def transform_logits(logits, sa: SamplingArrays):
     x = jnp.where(jnp.isnan(x), NEG_INF, x)
     V = x.shape[-1]
     if sa.use_top_k or sa.use_top_p:
-        kmax = min(sa.top_k_max, V) if sa.use_top_k else 0
-        # Descending values: the top `kmax` (lax.top_k) when that bounds every row, else all V.
-        srt = jax.lax.top_k(x, kmax)[0] if kmax else -jnp.sort(-x, axis=-1)
-        W = srt.shape[-1]
+        bounded = sa.use_top_k and sa.top_k_max > 0
+        W = min(sa.top_k_max if bounded else max(int(window), 1), V)
+        srt = jax.lax.top_k(x, W)[0]  # the W largest, descending
         if sa.use_top_k:
             k = per_row(sa.top_k)
-            kk = jnp.clip(jnp.where(k > 0, k, W), 1, W)
-            thr = jnp.take_along_axis(srt, kk - 1, axis=-1)
+            kk = jnp.clip(k, 1, V)
+            thr = jnp.where(k > 0, jnp.take_along_axis(srt, jnp.minimum(kk, W) - 1, axis=-1), NEG_INF)
+            if not bounded and W < V:  # sampled rows with k > W: the exact k-th largest value
+                beyond = jnp.broadcast_to((kk > W) & (k > 0) & (t > 0), thr.shape)
+                thr = jax.lax.cond(
+                    jnp.any(beyond),
+                    lambda: jnp.where(beyond, _kth_largest(x.reshape(-1, V), jnp.broadcast_to(kk, thr.shape)
+                                                           .reshape(-1, 1)).reshape(thr.shape), thr),
+                    lambda: thr)
             x = jnp.where(x >= thr, x, NEG_INF)
             # By value, not by position: top-p must renormalise over every token top-k kept,
             # including those tied with the k-th.
             srt = jnp.where(srt >= thr, srt, NEG_INF)
         if sa.use_top_p:
+            top_p = per_row(sa.top_p)
             m = srt[..., :1]
             e = jnp.exp(srt - m)
-            # The normaliser runs over the whole kept set (x), not the W sorted values: tokens
-            # tied with the k-th beyond the lax.top_k window still carry mass.
+            # The normaliser runs over the whole kept set (x), not the W largest values:
+            # tokens tied with the k-th beyond the window still carry mass.
             z = jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
             p = e / z
             before = jnp.cumsum(p, axis=-1) - p
-            n_keep = jnp.maximum(jnp.sum(before < per_row(sa.top_p), axis=-1, keepdims=True), 1)
+            n_keep = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
             thr = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+            if W < V:  # the window's mass is below top_p and kept tokens lie beyond it
+                beyond = ((jnp.sum(p, -1, keepdims=True) < top_p)
+                          & (jnp.sum(x > NEG_INF, -1, keepdims=True) > W) & (top_p < 1.0) & (t > 0))
+                R_ = thr.size
+                thr = jax.lax.cond(
+                    jnp.any(beyond),
+                    lambda: jnp.where(beyond, _top_p_cut(x.reshape(R_, V), m.reshape(R_, 1), z.reshape(R_, 1),
+                                                         jnp.broadcast_to(top_p, thr.shape).reshape(R_, 1))
+                                      .reshape(thr.shape), thr),
+                    lambda: thr)
             # A row with top_p = 1 (off) keeps everything: in float32 the mass before the
             # least likely tokens rounds up to 1, which would drop them.
-            x = jnp.where((x >= thr) | (per_row(sa.top_p) >= 1.0), x, NEG_INF)
+            x = jnp.where((x >= thr) | (top_p >= 1.0), x, NEG_INF)
     if sa.use_min_p:
         m = jnp.max(x, axis=-1, keepdims=True)
         mp = per_row(sa.min_p)
         # p_i >= min_p * p_max  ⇔  x_i >= x_max + log(min_p); min_p = 0 (off) keeps everything.
         x = jnp.where((x >= m + jnp.log(jnp.maximum(mp, 1e-30))) | (mp <= 0.0), x, NEG_INF)
-    return x
+    return x.reshape(shape)
 
 
 def sample_or_argmax(key, raw_logits, transformed, greedy, all_greedy: bool = False):

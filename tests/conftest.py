@@ -91,22 +91,18 @@ def tiny_target():
 
 # --------------------------------------------------------------------------- test tiers
 
-# `pytest -m "not slow"` is the inner-loop tier (tiny random models, pure functions); the
-# README's command runs everything. Slow: whatever loads the real SmolLM2 or HF
-# transformers, starts a subprocess program (training, CLI, server, notebooks), or draws
-# large statistical samples.
+# `pytest -m "not slow"` is the inner-loop tier (tiny random models, pure functions, a few
+# end-to-end decoding checks; ~1 minute); the README's command runs everything. Slow, marked
+# where it is defined (`pytestmark` for a module, `@pytest.mark.slow` for a test): a program
+# in a subprocess (training, CLI, server, notebooks), a large statistical sample, a test that
+# compiles many programs (over ~2 s on 2 cores). Whatever loads the real SmolLM2 or HF
+# transformers is marked here, by its fixtures.
 REAL_MODEL_FIXTURES = {"smollm2", "smollm2_path", "hf_smollm2", "hf_smollm2_tokenizer"}
-SLOW_MODULES = {
-    "test_cli", "test_notebooks", "test_training", "test_training_sharded", "test_server", "test_hf_parity",
-    "test_speculative_smollm2", "test_smollm2", "test_training_gates", "test_schedule_lossless",
-    "test_training_data", "test_calibration",
-}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in SLOW_MODULES or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -151,6 +147,6 @@ def _bound_jit_code_mappings():
         gc.collect()
 
 
-# The training gates run in their own process (tests/test_gates_isolated.py): they train
+# The training gates run in their own process (tests/training/test_gates_isolated.py): they train
 # and compile the most programs of any module, and alone they cost what they cost.
-collect_ignore = [] if os.environ.get("DSPARK_GATES_SUBPROCESS") else ["test_training_gates.py"]
+collect_ignore = [] if os.environ.get("DSPARK_GATES_SUBPROCESS") else ["training/test_training_gates.py"]

@@ -143,7 +143,7 @@ class HybridDrafter:
     distribution and calibrated confidences). The choice depends on the committed context
     only — never on the tokens the DSpark drafter sampled in this cycle — so the proposal
     distribution verification sees is exactly the chosen drafter's, and the output stays
-    the target's (tests/test_ngram.py).
+    the target's (tests/models/test_ngram.py).
     """
 
     drafter: Any  # a DSpark/DFlash `Drafter`

