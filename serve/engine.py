@@ -5,8 +5,8 @@
     eng.run()            # or eng.step() from your own loop; eng.cancel(r) at any time
 
 Each `step()` admits queued requests into free slots and prefills prompts in chunks (at most
-P prompt tokens per step in all, each admitted slot's chunk prefilled on its own against its
-own context — `decoding.prefill.prefill_one` — then one jitted `admit` starts the slots whose
+P prompt tokens per step in all, each admitted slot's chunk prefilled on its own — its own
+query rows, rounded up to a power of two, against its own context — `decoding.prefill.prefill_one` — then one jitted `admit` starts the slots whose
 prompt is complete; a long prompt takes several steps while the other slots keep decoding),
 runs `cycles_per_step` cycles of the
 same on-device loop `generate()` uses (`decode_loop`, with the chosen policy over all active
@@ -80,13 +80,15 @@ def place_on_mesh(target, drafter, mesh):
 
 
 def _shard_cache(cache: KVCache, mesh) -> KVCache:
-    """KV cache [L, S, T, K, E]: KV heads over the tensor axis (when they divide), the rest replicated."""
+    """A KV cache with its KV heads over the tensor axis (when they divide), the rest replicated."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    heads = cache.k.shape[3]
-    spec = PartitionSpec(None, None, None, "tensor" if heads % mesh.shape["tensor"] == 0 else None, None)
-    sh = NamedSharding(mesh, spec)
-    return KVCache(jax.device_put(cache.k, sh), jax.device_put(cache.v, sh))
+    ax = cache.heads_axis
+    heads = cache.k.shape[ax]
+    spec = [None] * cache.k.ndim
+    spec[ax] = "tensor" if heads % mesh.shape["tensor"] == 0 else None
+    sh = NamedSharding(mesh, PartitionSpec(*spec))
+    return cache.replace(k=jax.device_put(cache.k, sh), v=jax.device_put(cache.v, sh))
 
 
 class Engine:
@@ -172,6 +174,16 @@ class Engine:
             self.st = self.st.replace(done=self.st.done.at[req.slot].set(True))
             self._finish(req, "cancelled")
 
+    def chunk_rows(self, n: int) -> int:
+        """Query rows of a prefill chunk of n prompt tokens: the power of two ≥ n (at least
+        16, at most the per-step budget P); each size compiles once per attention window."""
+        return min(next_pow2(n, 16), self.P)
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        """Every chunk size `chunk_rows` can return (what a warm-up compiles)."""
+        return sorted({self.chunk_rows(n) for n in (1 << b for b in range(self.P.bit_length()))})
+
     @property
     def idle(self) -> bool:
         return not self.queue and not self.running
@@ -229,11 +241,14 @@ class Engine:
             # P prompt tokens per step in all, so a long prompt takes several steps while the
             # other slots keep decoding; each chunk costs its own rows against its own context.
             n = min(len(req.prompt_ids) - req.prefilled, self.P - used)
-            tokens = np.zeros(self.P, np.int32)
+            # The chunk's query rows are its own, rounded up to a power of two (≥ 16): a short
+            # prompt pays for its tokens, not for the step's whole budget P.
+            rows = self.chunk_rows(n)
+            tokens = np.zeros(rows, np.int32)
             tokens[:n] = req.prompt_ids[req.prefilled: req.prefilled + n]
             logits[slot], cache, dcache = prefill_one(
                 self.target.graphdef, self.target.state, self.drafter, self.dparams, cache, dcache, jnp.int32(slot),
-                jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.prefilled), chunk=self.P,
+                jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.prefilled), chunk=rows,
                 kv_window=pick_window(self.windows, req.prefilled + n))
             chunk[slot] = True
             used += n

@@ -217,7 +217,7 @@ def take_slots(st: GenState, sa: SamplingArrays, idx, drafter=None):
     the target's cache and the drafter's context cache (its own `take_slots`), and the
     sampling rows. Loop-wide counters carry over."""
     fields = {f: getattr(st, f)[idx] for f in PER_SLOT if getattr(st, f) is not None}
-    cache = KVCache(st.cache.k[:, idx], st.cache.v[:, idx])
+    cache = st.cache.take(idx)
     dcache = None if st.dcache is None else drafter.take_slots(st.dcache, idx)
     sa = sa.replace(temperature=sa.temperature[idx], top_k=sa.top_k[idx], top_p=sa.top_p[idx],
                     min_p=sa.min_p[idx])
@@ -229,9 +229,9 @@ def window_cache(dcache, kv_window: int | None):
     the KVCaches inside a tuple (a hybrid drafter's); other caches are passed whole."""
     if isinstance(dcache, tuple):
         return tuple(window_cache(c, kv_window) for c in dcache)
-    if kv_window is None or not isinstance(dcache, KVCache) or kv_window >= dcache.length:
+    if not isinstance(dcache, KVCache):
         return dcache
-    return KVCache(dcache.k[:, :, :kv_window], dcache.v[:, :, :kv_window])
+    return dcache.window(kv_window)
 
 
 def append_context(drafter, dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N):

@@ -111,7 +111,7 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
     caches are donated); the drafter's context is appended for this slot only."""
     target = nnx.merge(tgraph, tstate)
     feature_layers = drafter.feature_layers if drafter is not None else ()
-    row = KVCache(jax.lax.dynamic_index_in_dim(cache.k, slot, 1), jax.lax.dynamic_index_in_dim(cache.v, slot, 1))
+    row = cache.replace(k=jax.lax.dynamic_index_in_dim(cache.k, slot, 1), v=jax.lax.dynamic_index_in_dim(cache.v, slot, 1))
     P = tokens_P.shape[0]
     padded = jnp.concatenate([tokens_P, jnp.zeros((chunk,), tokens_P.dtype)])
 
@@ -132,8 +132,8 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
 
     init = (jnp.int32(0), row, dcache, jnp.zeros((target.cfg.vocab_size,), jnp.float32))
     _, row, dcache, last = jax.lax.while_loop(lambda c: c[0] < length, body, init)
-    cache = KVCache(jax.lax.dynamic_update_index_in_dim(cache.k, row.k, slot, 1),
-                    jax.lax.dynamic_update_index_in_dim(cache.v, row.v, slot, 1))
+    cache = cache.replace(k=jax.lax.dynamic_update_index_in_dim(cache.k, row.k, slot, 1),
+                          v=jax.lax.dynamic_update_index_in_dim(cache.v, row.v, slot, 1))
     return last, cache, dcache
 
 

@@ -147,7 +147,7 @@ class Drafter:
         return KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
 
     def take_slots(self, cache: KVCache, idx) -> KVCache:
-        return KVCache(cache.k[:, idx], cache.v[:, idx])
+        return cache.take(idx)
 
     def append(self, params, cache: KVCache, target, feats_NF, slot_N, pos_N, valid_N) -> KVCache:
         d = nnx.merge(self.graphdef, params)

@@ -112,6 +112,44 @@ def attend(q_SQHE, k_STKE, v_STKE, mask_SQT):
     return o.reshape(S, Q, H, E)
 
 
+# Queries per slot up to which `attend_cached` uses the multiply-reduce form on CPU.
+SMALL_Q = 16
+
+
+def attend_cached(q_SQHE, kt_SKET, v_SKTE, mask_SQT):
+    """Grouped-query attention over a heads-major cache (keys transposed, `KVCache`); scores
+    and softmax in fp32, fully masked rows give zeros. Same result as `attend` on the
+    position-major layout.
+
+    Each KV head's I query heads and the slot's Q queries form Q·I rows against the head's
+    [E, T] keys. For a few queries per slot (decode, verification: Q ≤ SMALL_Q) on CPU the
+    scores and outputs are a multiply-reduce vectorised over T / E, which XLA:CPU fuses into
+    one pass over the keys; its batched small matmuls cost ~2× more (BENCHMARKS.md, "Engine
+    cost"). Otherwise (prefill; every step on TPU/GPU) they are batched matmuls.
+    """
+    S, Q, H, E = q_SQHE.shape
+    K = kt_SKET.shape[1]
+    I = H // K
+    T = kt_SKET.shape[-1]
+    q = q_SQHE.reshape(S, Q, K, I, E).transpose(0, 2, 1, 3, 4).reshape(S, K, Q * I, E)
+    q = q.astype(jnp.float32) * (1.0 / math.sqrt(E))
+    fused = Q <= SMALL_Q and jax.default_backend() == "cpu"
+    if fused:
+        s = jnp.sum(q[..., None] * kt_SKET[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, T]
+    else:
+        s = jnp.einsum("skne,sket->sknt", q.astype(kt_SKET.dtype), kt_SKET, preferred_element_type=jnp.float32)
+    m = jnp.broadcast_to(mask_SQT[:, None, :, None, :], (S, 1, Q, I, T)).reshape(S, 1, Q * I, T)
+    s = jnp.where(m, s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(m, p, 0.0)
+    if fused:
+        o = jnp.sum(p[..., None] * v_SKTE[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, E]
+    else:
+        o = jnp.einsum("sknt,skte->skne", p.astype(v_SKTE.dtype), v_SKTE)
+    o = o.astype(q_SQHE.dtype)
+    return o.reshape(S, K, Q, I, E).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
+
+
 class Attention(nnx.Module):
     """Q/K/V/O projections with optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3)."""
 

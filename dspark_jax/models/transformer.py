@@ -25,19 +25,30 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.models.layers import MLP, Attention, RMSNorm, attend, param, rope_inv_freq
+from dspark_jax.models.layers import MLP, Attention, RMSNorm, attend_cached, param, rope_inv_freq
 
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, S, T, K, E]
-    v: jax.Array  # [L, S, T, K, E]
+    """Keys and values of every layer, in one of two layouts (a static flag):
+
+    - heads-major (the target's, `KVCache.zeros`): k [L, S, K, E, T] (keys stored transposed),
+      v [L, S, K, T, E]. A slot's keys for one head are an [E, T] matrix, so decode and
+      verification scores are a multiply-reduce vectorised over T and prefill scores a plain
+      [Q·I, E] × [E, T] matmul: no per-step transpose (`layers.attend_cached`).
+    - position-major (`heads_major=False`, the drafter's context cache): k, v [L, S, T, K, E].
+    """
+
+    k: jax.Array
+    v: jax.Array
+    heads_major: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_slots: int, length: int, dtype=None) -> KVCache:
-        shape = (cfg.num_layers, num_slots, length, cfg.num_kv_heads, cfg.head_dim)
+        """The target's cache (heads-major)."""
+        L, S, T, K, E = cfg.num_layers, num_slots, length, cfg.num_kv_heads, cfg.head_dim
         dt = dtype or cfg.jnp_dtype
-        return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        return cls(jnp.zeros((L, S, K, E, T), dt), jnp.zeros((L, S, K, T, E), dt), heads_major=True)
 
     @property
     def num_slots(self) -> int:
@@ -45,7 +56,24 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.v.shape[3] if self.heads_major else self.v.shape[2]
+
+    @property
+    def heads_axis(self) -> int:
+        """The KV-heads axis of both k and v (what tensor parallelism splits)."""
+        return 2 if self.heads_major else 3
+
+    def take(self, idx) -> KVCache:
+        """The slots `idx` (slot compaction)."""
+        return self.replace(k=self.k[:, idx], v=self.v[:, idx])
+
+    def window(self, w: int | None) -> KVCache:
+        """The first `w` positions of every slot (None or ≥ T: the whole cache)."""
+        if w is None or w >= self.length:
+            return self
+        if self.heads_major:
+            return self.replace(k=self.k[..., :w], v=self.v[:, :, :, :w])
+        return self.replace(k=self.k[:, :, :w], v=self.v[:, :, :w])
 
 
 @struct.dataclass
@@ -91,18 +119,30 @@ class DecoderLayer(nnx.Module):
         k, v = self.self_attn.project_kv(h, lay.pos_N, inv_freq)
         return q, k, v
 
-    def finish(self, x_ND, q_NHE, k_STKE, v_STKE, lay: PackedLayout, mask_SQT):
+    def finish(self, x_ND, q_NHE, kt_SKET, v_SKTE, lay: PackedLayout, mask_SQT):
         """Attention of the step's queries over the (already updated) cache, then the MLP."""
         q_pad = jnp.concatenate([q_NHE, jnp.zeros_like(q_NHE[:1])], 0)
-        o_SQHE = attend(q_pad[lay.grid_idx_SQ], k_STKE, v_STKE, mask_SQT)
+        o_SQHE = attend_cached(q_pad[lay.grid_idx_SQ], kt_SKET, v_SKTE, mask_SQT)
         o = o_SQHE[lay.slot_N, jnp.minimum(lay.j_N, o_SQHE.shape[1] - 1)]
         x_ND = x_ND + self.self_attn.project_out(o)
         return x_ND + self.mlp(self.post_attention_layernorm(x_ND))
 
 
 def _write_index(lay: PackedLayout, num_slots: int):
-    # Padding tokens target slot S (out of range) and are dropped by the scatter.
-    return jnp.where(lay.valid_N, lay.slot_N, num_slots), lay.pos_N
+    """(slot, position) of each packed token's cache write, plus one trailing dummy entry.
+
+    Padding tokens target slot S (out of range) and are dropped by the scatter. The dummy
+    (also slot S, so always dropped) keeps a one-token step a scatter: XLA rewrites a
+    single-update scatter as a bounds-checked dynamic-update-slice, which copies the whole
+    cache buffer once per layer (measured: a 1-slot decode step 2.3× slower). Pair it
+    with `_write_values`."""
+    ws = jnp.where(lay.valid_N, lay.slot_N, num_slots)
+    return jnp.append(ws, num_slots), jnp.append(lay.pos_N, 0)
+
+
+def _write_values(x_N):
+    """x [N, ...] with the dummy entry of `_write_index` appended."""
+    return jnp.concatenate([x_N, jnp.zeros_like(x_N[:1])], 0)
 
 
 class Transformer(nnx.Module):
@@ -138,7 +178,9 @@ class Transformer(nnx.Module):
     def unembed(self, h_ND):
         """Final norm + LM head, logits in fp32."""
         h = self.norm(h_ND)
-        return jnp.einsum("...d,dv->...v", h, self.lm_head_matrix(), preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: contract with the [V, D] embedding as stored (no transposed copy)
+            return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, cache: KVCache, tokens_N, starts_S, counts_S, *, q_max: int,
                  logits_idx=None, feature_layers: tuple[int, ...] = (), kv_window: int | None = None):
@@ -151,6 +193,8 @@ class Transformer(nnx.Module):
         guarantees every query position of the step lies below it.
         """
         cfg = self.cfg
+        if not cache.heads_major:
+            raise ValueError("the target's KV cache is heads-major: make it with KVCache.zeros")
         N = tokens_N.shape[0]
         T = cache.length
         W = T if kv_window is None else min(int(kv_window), T)
@@ -170,15 +214,15 @@ class Transformer(nnx.Module):
                 x, ks, vs, i = carry
                 layer = nnx.merge(gdef, st)
                 q, k, v = layer.qkv(x, lay, inv_freq)
-                ks = ks.at[i, ws, wp].set(k.astype(ks.dtype), mode="drop")
-                vs = vs.at[i, ws, wp].set(v.astype(vs.dtype), mode="drop")
-                k_w = jax.lax.dynamic_index_in_dim(ks, i, 0, keepdims=False)[:, :W]
-                v_w = jax.lax.dynamic_index_in_dim(vs, i, 0, keepdims=False)[:, :W]
+                ks = ks.at[i, ws, :, :, wp].set(_write_values(k).astype(ks.dtype), mode="drop")
+                vs = vs.at[i, ws, :, wp].set(_write_values(v).astype(vs.dtype), mode="drop")
+                k_w = jax.lax.dynamic_index_in_dim(ks, i, 0, keepdims=False)[..., :W]
+                v_w = jax.lax.dynamic_index_in_dim(vs, i, 0, keepdims=False)[:, :, :W]
                 x = layer.finish(x, q, k_w, v_w, lay, mask)
                 return (x, ks, vs, i + 1), (x if feature_layers else None)
 
             (x, ks, vs, _), hs = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), lstate)
-            cache = KVCache(ks, vs)
+            cache = cache.replace(k=ks, v=vs)
             taps.update({i: hs[i] for i in feature_layers if i >= 0})
         else:
             ks, vs = cache.k, cache.v
@@ -186,12 +230,13 @@ class Transformer(nnx.Module):
                 q, k, v = layer.qkv(x, lay, inv_freq)
                 # Scatter straight into the stacked buffer: updating a per-layer slice and
                 # writing it back makes XLA copy the whole cache once per layer.
-                ks = ks.at[i, ws, wp].set(k.astype(ks.dtype), mode="drop")
-                vs = vs.at[i, ws, wp].set(v.astype(vs.dtype), mode="drop")
-                x = layer.finish(x, q, ks[i, :, :W], vs[i, :, :W], lay, mask)
+                # (k [N, K, E] lands at [i, slot, :, :, pos] of the transposed keys.)
+                ks = ks.at[i, ws, :, :, wp].set(_write_values(k).astype(ks.dtype), mode="drop")
+                vs = vs.at[i, ws, :, wp].set(_write_values(v).astype(vs.dtype), mode="drop")
+                x = layer.finish(x, q, ks[i, ..., :W], vs[i, :, :, :W], lay, mask)
                 if i in feature_layers:
                     taps[i] = x
-            cache = KVCache(ks, vs)
+            cache = cache.replace(k=ks, v=vs)
         feats = jnp.concatenate([taps[i] for i in feature_layers], -1) if feature_layers else None
         h = x if logits_idx is None else x[logits_idx]
         return self.unembed(h), feats, cache
