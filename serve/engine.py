@@ -6,9 +6,10 @@
 
 Each `step()` admits queued requests into free slots and prefills prompts in chunks (at most
 P prompt tokens per step in all, each admitted slot's chunk prefilled on its own — its own
-query rows, rounded up to a power of two, against its own context — `decoding.prefill.prefill_one` — then one jitted `admit` starts the slots whose
-prompt is complete; a long prompt takes several steps while the other slots keep decoding),
-runs `cycles_per_step` cycles of the
+query rows, rounded up to a power of two, against its own context —
+`decoding.prefill.prefill_one` — then one jitted `admit` starts the slots whose prompt is
+complete; a long prompt takes several steps while the other slots keep decoding), runs
+`cycles_per_step` cycles of the
 same on-device loop `generate()` uses (`decode_loop`, with the chosen policy over all active
 slots), then streams the new tokens of every request to its callback and retires finished
 or cancelled requests, freeing their slots.

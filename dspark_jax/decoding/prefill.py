@@ -111,7 +111,8 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
     caches are donated); the drafter's context is appended for this slot only."""
     target = nnx.merge(tgraph, tstate)
     feature_layers = drafter.feature_layers if drafter is not None else ()
-    row = cache.replace(k=jax.lax.dynamic_index_in_dim(cache.k, slot, 1), v=jax.lax.dynamic_index_in_dim(cache.v, slot, 1))
+    row = cache.replace(k=jax.lax.dynamic_index_in_dim(cache.k, slot, 1),
+                        v=jax.lax.dynamic_index_in_dim(cache.v, slot, 1))
     P = tokens_P.shape[0]
     padded = jnp.concatenate([tokens_P, jnp.zeros((chunk,), tokens_P.dtype)])
 
