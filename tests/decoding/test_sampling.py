@@ -103,7 +103,7 @@ REFERENCE_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("window", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, *(pytest.param(w, marks=pytest.mark.slow) for w in (4, 16))])
 def test_windowed_thresholds_and_their_fallback_match_the_reference(window):
     """The thresholds come from the `window` largest values, and from the exact bisection for
     rows whose top-k or top-p cut lies beyond them (most rows here, with a window of 1–16 over
@@ -147,6 +147,7 @@ def test_transform_with_different_params_per_row():
     assert_transform_matches(random_logits(len(params), 96, seed=1), params)
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_transform_with_middle_axes():
     """Verification transforms [R, K+1, V]; each row's params apply to all its positions."""
     params = [SP(temperature=0.5, top_k=4), SP(top_p=0.6), SP(temperature=1.7, min_p=0.2)]

@@ -168,6 +168,7 @@ def test_sync_opens_a_coarse_bucket_that_pays_as_a_whole():
     assert np.asarray(ell).tolist() == [1, 1, 1, 1]
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_sync_stops_early_on_a_multimodal_table():
     """The early exit is the point: Algorithm 1 does not look past the first non-improving
     admission, even when a larger batch would be better (that look-ahead would not be causal)."""
@@ -176,6 +177,7 @@ def test_sync_stops_early_on_a_multimodal_table():
     assert np.asarray(schedule(conf, table, "sync")).tolist() == [0]
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_lengths_are_prefixes_within_caps_and_ties_are_deterministic():
     # Equal survival everywhere (c' = 1): position order breaks the ties, so prefixes result.
     conf = np.ones((3, 4), np.float32)

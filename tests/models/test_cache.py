@@ -54,6 +54,7 @@ def test_prefill_then_single_token_steps_equal_full_forward(tiny_target):
         np.testing.assert_allclose(got, ref[pos : pos + 1], rtol=0, atol=ATOL)
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_one_step_mixing_slots_at_different_positions(tiny_target):
     """Prefill ragged prefixes; then one step holds 2, 1 and 4 tokens of three slots at
     three different positions while a fourth slot sits out (count 0); then that slot
