@@ -31,9 +31,10 @@ def _chat(p):
     return [{"role": "user", "content": p}]
 
 
-def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0), batch: int = 10) -> str:
+def tau_table(target, drafters: dict, n_prompts: int, max_new: int, temps=(0.0, 1.0), batch: int = 10,
+              datasets=DATASETS) -> str:
     rows = []
-    for name in DATASETS:
+    for name in datasets:
         # XLA:CPU keeps every compiled program mapped; a long run of many shapes would reach
         # the kernel's map limit (vm.max_map_count) and fail to compile: start each set afresh.
         jax.clear_caches()
@@ -121,6 +122,8 @@ def main(argv=None):
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
                     help="another drafter for the τ table (repeatable), e.g. previous=runs/old_drafter")
     ap.add_argument("--policy", default="dspark", help="verification policy of the speed table (dspark | fixed)")
+    ap.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated sets of the τ table")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated temperatures of the τ table")
     ap.add_argument("--speed-datasets", default=",".join(DATASETS), help="comma-separated sets of the speed table")
     ap.add_argument("--speed-temperatures", default="0,1", help="comma-separated temperatures of the speed table")
     args = ap.parse_args(argv)
@@ -143,7 +146,9 @@ def main(argv=None):
     if not args.skip_tau:
         print(f"\n## τ ({args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, γ = "
               f"{drafters['DSpark'].block_size}, batches of {args.batch})\n")
-        print(tau_table(target, drafters, args.prompts, args.max_new_tokens, batch=args.batch), flush=True)
+        print(tau_table(target, drafters, args.prompts, args.max_new_tokens, batch=args.batch,
+                        datasets=args.datasets.split(","),
+                        temps=tuple(float(t) for t in args.temperatures.split(","))), flush=True)
     if not args.skip_speed:
         print(f"\n## Speedup at batch 1 ({args.speed_prompts} prompts per dataset, interleaved, "
               f"policy {args.policy})\n")

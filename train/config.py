@@ -57,8 +57,10 @@ class TrainConfig:
     warmup_fraction: float = 0.04
     weight_decay: float = 0.0
     clip_norm: float = 1.0
-    # Warm start: the drafter's parameters from the latest checkpoint of this workdir (a fresh
-    # optimizer, schedule and data iterator), e.g. to fine-tune on new data. "" = from scratch.
+    # Warm start: the drafter's parameters from the latest checkpoint of this workdir, or from an
+    # exported drafter (a directory, or a shipped drafter's name such as "smollm2-135m-dspark"),
+    # with a fresh optimizer, schedule and data iterator, e.g. to fine-tune on new data.
+    # "" = from scratch.
     init_from: str = ""
     feature_cache: bool = True  # offline mode: one target forward per sequence, reused every epoch
     seed: int = 0

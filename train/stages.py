@@ -151,6 +151,55 @@ def remap_proposal_columns(params, old_ids: np.ndarray, new_ids: np.ndarray):
     return jax.tree_util.tree_map_with_path(fix, params), int((src >= 0).sum())
 
 
+def _warm_start(cfg: TrainConfig, dcfg: ds.DrafterConfig, workdir: str, state):
+    """The parameters `init_from` names, shaped like `state.params`: another workdir's latest
+    checkpoint, or an exported drafter (a directory with config.json + model.safetensors, or a
+    shipped drafter's name, cast back to the training dtype). A different draft vocabulary keeps
+    the kept tokens' head columns (`remap_proposal_columns`)."""
+    import orbax.checkpoint as ocp
+
+    from dspark_jax.io import drafter_io
+
+    src_dir = cfg.init_from
+    if os.path.isdir(os.path.join(src_dir, "ckpt")):
+        src = ocp.CheckpointManager(os.path.abspath(os.path.join(src_dir, "ckpt")))
+        if src.latest_step() is None:
+            raise FileNotFoundError(f"init_from={src_dir!r} holds no checkpoint")
+        src_step = src.latest_step()
+        restored = src.restore(src_step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))))
+        src.close()
+        params, what = restored["state"].params, f"step {src_step}"
+        old_ids = _vocabulary_of(src_dir, dcfg.draft_vocab_size) if dcfg.draft_vocab_size else None
+    else:
+        path = drafter_io.resolve_drafter_path(src_dir)
+        kind, d = drafter_io.inspect_drafter(path)  # raises a clear error for anything else
+        if kind != "ours":
+            raise ValueError(f"init_from={src_dir!r} is a {kind} checkpoint; warm starts read this "
+                             "library's exports or training workdirs")
+        tensors = drafter_io.read_drafter_tensors(path)
+        old_ids = tensors.pop("draft_ids", None)
+        flat = []
+        for p, leaf in nnx.to_flat_state(state.params):
+            name = ".".join(str(k) for k in p)
+            if name not in tensors:
+                raise ValueError(f"init_from={src_dir!r} has no tensor {name!r}: trained with another config?")
+            a = np.asarray(tensors[name], np.float32)
+            want = leaf.get_value() if hasattr(leaf, "get_value") else leaf
+            if a.shape != want.shape:
+                raise ValueError(f"init_from={src_dir!r}: {name!r} has shape {a.shape}, this config's {want.shape}")
+            flat.append((p, leaf.replace(jax.device_put(a.astype(want.dtype), want.sharding))))
+        params, what = nnx.from_flat_state(flat), "export"
+    if dcfg.draft_vocab_size and dcfg.rank and old_ids is not None:
+        new_ids = _draft_ids(cfg, dcfg, workdir)
+        if not np.array_equal(np.asarray(old_ids), new_ids):
+            params, kept = remap_proposal_columns(params, np.asarray(old_ids), new_ids)
+            print(f"[train] draft vocabulary: {kept} of {len(new_ids)} tokens kept their head columns "
+                  f"from {src_dir}", file=sys.stderr)
+    print(f"[train] parameters from {src_dir} ({what}), fresh optimizer", file=sys.stderr)
+    return params
+
+
 class _FeatureCache:
     """Offline mode: the target's tapped features and last hidden state per sequence (bf16
     memmaps), computed once and reused every epoch. Resumable: `done.json` counts finished rows."""
@@ -236,23 +285,7 @@ def train(cfg: TrainConfig, workdir: str) -> None:
     mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
                                 options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints))
     if mgr.latest_step() is None and cfg.init_from:
-        src = ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.init_from, "ckpt")))
-        if src.latest_step() is None:
-            raise FileNotFoundError(f"init_from={cfg.init_from!r} holds no checkpoint")
-        src_step = src.latest_step()
-        restored = src.restore(src_step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))))
-        src.close()
-        params = restored["state"].params
-        if dcfg.draft_vocab_size and dcfg.rank:
-            old_ids = _vocabulary_of(cfg.init_from, dcfg.draft_vocab_size)
-            new_ids = _draft_ids(cfg, dcfg, workdir)
-            if not np.array_equal(old_ids, new_ids):
-                params, kept = remap_proposal_columns(params, old_ids, new_ids)
-                print(f"[train] draft vocabulary: {kept} of {len(new_ids)} tokens kept their head columns "
-                      f"from {cfg.init_from}", file=sys.stderr)
-        state = state.replace(params=params)
-        print(f"[train] parameters from {cfg.init_from} (step {src_step}), fresh optimizer", file=sys.stderr)
+        state = state.replace(params=_warm_start(cfg, dcfg, workdir, state))
     if mgr.latest_step() is not None:
         step = mgr.latest_step()
         restored = mgr.restore(step, args=ocp.args.Composite(

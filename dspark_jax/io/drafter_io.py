@@ -134,7 +134,7 @@ def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
         json.dump(_config_to_json(drafter.cfg), f, indent=2)
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+def read_drafter_tensors(path: str) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -366,7 +366,7 @@ def load_drafter(path: str, target=None) -> Drafter:
         if target is not None:
             cfg.check_compatible(target.cfg)
             check_rope_matches(cfg, target.cfg, source)
-        drafter = _fill(cfg, _read_safetensors(path), f"drafter checkpoint {path!r}")
+        drafter = _fill(cfg, read_drafter_tensors(path), f"drafter checkpoint {path!r}")
         return drafter.bind(target) if target is not None else drafter
     cfg = deepspec_config(d, target.cfg if target is not None else None, source)
     embed = lm = None
@@ -375,5 +375,5 @@ def load_drafter(path: str, target=None) -> Drafter:
         check_rope_matches(cfg, target.cfg, source)
         embed = np.asarray(target.state["embed_tokens"].get_value())
         lm = np.asarray(target.module().lm_head_matrix()).T  # (V, D) like torch's lm_head.weight
-    tensors = deepspec_tensors(cfg, _read_safetensors(path), d["mask_token_id"], embed, lm)
+    tensors = deepspec_tensors(cfg, read_drafter_tensors(path), d["mask_token_id"], embed, lm)
     return _fill(cfg, tensors, f"DeepSpec checkpoint {path!r}")

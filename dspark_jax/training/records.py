@@ -72,3 +72,70 @@ def draft_vocabulary(counts: np.ndarray, size: int) -> np.ndarray:
         raise ValueError(f"draft vocabulary size must be in [1, {counts.size}], got {size}")
     order = np.lexsort((np.arange(counts.size), -counts))
     return np.sort(order[:size]).astype(np.int32)
+
+
+# Compact token archives: a workdir's regenerated data is small (2 bytes a token for vocabularies
+# up to 65,536), so it can be committed or copied between machines and unpacked into the same
+# shards, byte for byte, instead of regenerated.
+
+def pack(directories: dict[str, str], path: str, vocab_size: int = 0) -> dict:
+    """Writes the shards of each `{split: directory}` into one compressed `.npz` at `path`:
+    per sequence its tokens and the number of leading unsupervised (prompt) tokens — the loss
+    mask of every regenerated or original-answer record is prompt zeros then response ones.
+    `vocab_size` (the target's, 0 = unknown) is stored for `unpack` to report."""
+    toks, plen, lens, shard_names, shard_sizes, splits = [], [], [], [], [], []
+    for split, directory in directories.items():
+        for sp in shard_paths(directory):
+            from array_record.python.array_record_module import ArrayRecordReader
+
+            r = ArrayRecordReader(sp)
+            recs = r.read_all()
+            r.close()
+            for rec in recs:
+                t, m = decode(rec)
+                n0 = int((m == 0).sum())
+                if not (np.all(m[:n0] == 0) and np.all(m[n0:] == 1)):
+                    raise ValueError(f"{sp}: a record's loss mask is not prompt zeros then response ones; "
+                                     "it cannot be packed")
+                toks.append(t)
+                plen.append(n0)
+                lens.append(t.size)
+            shard_names.append(os.path.basename(sp))
+            shard_sizes.append(len(recs))
+            splits.append(split)
+    if not toks:
+        raise FileNotFoundError(f"no shards to pack in {list(directories.values())}")
+    flat = np.concatenate(toks)
+    dtype = np.uint16 if flat.max() < 2**16 and flat.min() >= 0 else np.int32
+    np.savez_compressed(path, tokens=flat.astype(dtype), lengths=np.asarray(lens, np.int32),
+                        prompt_lengths=np.asarray(plen, np.int32), shard_names=np.asarray(shard_names),
+                        shard_sizes=np.asarray(shard_sizes, np.int32), splits=np.asarray(splits),
+                        vocab_size=np.int64(vocab_size))
+    return {"sequences": len(lens), "tokens": int(flat.size), "shards": len(shard_names)}
+
+
+def unpack(path: str, directories: dict[str, str]) -> dict:
+    """Recreates the shards `pack` stored, into `{split: directory}`; existing shards are kept
+    (so unpacking into a workdir that holds some of them resumes)."""
+    z = np.load(path)
+    tokens, lens, plen = z["tokens"].astype(np.int32), z["lengths"], z["prompt_lengths"]
+    if int(lens.sum()) != tokens.size or int(z["shard_sizes"].sum()) != lens.size:
+        raise ValueError(f"{path} is inconsistent: its lengths do not add up to its tokens and shards")
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    seq, written = 0, 0
+    for name, size, split in zip(z["shard_names"], z["shard_sizes"], z["splits"]):
+        split = str(split)
+        if split not in directories:
+            raise ValueError(f"{path} holds split {split!r}; give a directory for it (have {sorted(directories)})")
+        out = os.path.join(directories[split], str(name))
+        rows = range(seq, seq + int(size))
+        seq += int(size)
+        if os.path.exists(out):
+            continue
+        os.makedirs(directories[split], exist_ok=True)
+        write_shard(out, [encode(tokens[starts[i]:starts[i + 1]],
+                                 np.r_[np.zeros(plen[i], np.int32), np.ones(lens[i] - plen[i], np.int32)])
+                          for i in rows])
+        written += 1
+    return {"sequences": int(lens.size), "shards_written": written,
+            "vocab_size": int(z["vocab_size"]) if "vocab_size" in z else 0}

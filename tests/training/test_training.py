@@ -139,6 +139,22 @@ def test_tiny_end_to_end_loss_falls_tau_rises(tiny_data, tmp_path):
     out = ds.generate(t, [[1, 5, 9, 13]], drafter=d, sampling=ds.SamplingParams(temperature=0.0, max_new_tokens=8))
     ref = ds.generate(t, [[1, 5, 9, 13]], sampling=ds.SamplingParams(temperature=0.0, max_new_tokens=8))
     assert out.token_ids == ref.token_ids
+    # A warm start from the export (`init_from` = an export directory, not a workdir): one step
+    # at learning rate 0 must leave exactly the exported (bf16) weights, cast to fp32.
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    _copy_data(tiny_data, warm)
+    rc, err = _run_here(warm, "--set", f"init_from={tmp_path / 'export'}", "--set", "max_steps=1",
+                        "--set", "learning_rate=0.0")
+    assert rc == 0 and "(export), fresh optimizer" in err, err[-2000:]
+    from dspark_jax.io.drafter_io import read_drafter_tensors
+
+    exported = read_drafter_tensors(str(tmp_path / "export"))
+    got = _final_params(warm)
+    trained = [k for k in got if k.replace("/", ".") in exported and k != "draft_ids"]
+    assert len(trained) > 5
+    for k in trained:
+        np.testing.assert_array_equal(got[k], np.asarray(exported[k.replace("/", ".")], np.float32), err_msg=k)
 
 
 def _final_params(workdir):

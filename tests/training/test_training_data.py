@@ -117,6 +117,41 @@ def test_records_counts_and_draft_vocabulary(tmp_path):
         records.data_source(str(tmp_path / "empty"))
 
 
+def test_pack_unpack_roundtrip_is_byte_identical(tmp_path):
+    import numpy as np
+
+    src = {"train": str(tmp_path / "a" / "train"), "heldout": str(tmp_path / "a" / "heldout")}
+    rng = np.random.default_rng(0)
+    shards = {"train": {"shard-00000.array_record": 3, "orig-00000.array_record": 2}, "heldout": {"shard-00000.array_record": 1}}
+    for split, named in shards.items():
+        os.makedirs(src[split])
+        for name, n in named.items():
+            recs = []
+            for _ in range(n):
+                p, r = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+                recs.append(records.encode(rng.integers(0, 49152, p + r), [0] * p + [1] * r))
+            records.write_shard(os.path.join(src[split], name), recs)
+    packed = str(tmp_path / "data.npz")
+    got = records.pack(src, packed, vocab_size=49152)
+    assert got == {"sequences": 6, "tokens": got["tokens"], "shards": 3}
+    dst = {"train": str(tmp_path / "b" / "train"), "heldout": str(tmp_path / "b" / "heldout")}
+    back = records.unpack(packed, dst)
+    assert back == {"sequences": 6, "shards_written": 3, "vocab_size": 49152}
+    for split in src:
+        a, b = records.shard_paths(src[split]), records.shard_paths(dst[split])
+        assert [os.path.basename(x) for x in a] == [os.path.basename(x) for x in b]
+        assert [(t.tolist(), m.tolist()) for t, m in records.read_all(src[split])] == \
+               [(t.tolist(), m.tolist()) for t, m in records.read_all(dst[split])]
+    assert records.unpack(packed, dst)["shards_written"] == 0  # existing shards are kept
+    with pytest.raises(ValueError, match="give a directory"):
+        records.unpack(packed, {"train": str(tmp_path / "c")})
+    bad = {"train": str(tmp_path / "bad")}
+    os.makedirs(bad["train"])
+    records.write_shard(os.path.join(bad["train"], "x.array_record"), [records.encode([1, 2, 3], [1, 0, 1])])
+    with pytest.raises(ValueError, match="cannot be packed"):
+        records.pack(bad, str(tmp_path / "bad.npz"))
+
+
 def test_regeneration_resumes_by_shard(tmp_path, tiny_target):
     t = tiny_target()
     prompts = [[1] + list(range(3 + i, 8 + i)) for i in range(6)]
