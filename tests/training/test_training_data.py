@@ -122,7 +122,8 @@ def test_pack_unpack_roundtrip_is_byte_identical(tmp_path):
 
     src = {"train": str(tmp_path / "a" / "train"), "heldout": str(tmp_path / "a" / "heldout")}
     rng = np.random.default_rng(0)
-    shards = {"train": {"shard-00000.array_record": 3, "orig-00000.array_record": 2}, "heldout": {"shard-00000.array_record": 1}}
+    shards = {"train": {"shard-00000.array_record": 3, "orig-00000.array_record": 2},
+              "heldout": {"shard-00000.array_record": 1}}
     for split, named in shards.items():
         os.makedirs(src[split])
         for name, n in named.items():
