@@ -173,7 +173,7 @@ def _warm_start(cfg: TrainConfig, dcfg: ds.DrafterConfig, workdir: str, state):
         old_ids = _vocabulary_of(src_dir, dcfg.draft_vocab_size) if dcfg.draft_vocab_size else None
     else:
         path = drafter_io.resolve_drafter_path(src_dir)
-        kind, d = drafter_io.inspect_drafter(path)  # raises a clear error for anything else
+        kind, _ = drafter_io.inspect_drafter(path)  # raises a clear error for anything else
         if kind != "ours":
             raise ValueError(f"init_from={src_dir!r} is a {kind} checkpoint; warm starts read this "
                              "library's exports or training workdirs")
@@ -181,7 +181,7 @@ def _warm_start(cfg: TrainConfig, dcfg: ds.DrafterConfig, workdir: str, state):
         old_ids = tensors.pop("draft_ids", None)
         flat = []
         for p, leaf in nnx.to_flat_state(state.params):
-            name = ".".join(str(k) for k in p)
+            name = drafter_io.flat_name(p)
             if name not in tensors:
                 raise ValueError(f"init_from={src_dir!r} has no tensor {name!r}: trained with another config?")
             a = np.asarray(tensors[name], np.float32)

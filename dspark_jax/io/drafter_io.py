@@ -32,7 +32,7 @@ FORMAT_VERSION = 1
 _DEEPSPEC_HEAD = {"vanilla": "markov", "markov": "markov", "gated": "gated", "rnn": "rnn"}
 
 
-def _flat_name(path) -> str:
+def flat_name(path) -> str:
     return ".".join(str(p) for p in path)
 
 
@@ -42,7 +42,7 @@ def _fill(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source: str) -> Dr
     flat = nnx.to_flat_state(abstract)
     missing, out = [], []
     for path, var in flat:
-        name = _flat_name(path)
+        name = flat_name(path)
         if isinstance(var, TargetCopy):  # runtime copy of target weights: filled by Drafter.bind
             out.append((path, var.replace(jnp.zeros(var.get_value().shape, var.get_value().dtype))))
             continue
@@ -53,7 +53,7 @@ def _fill(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source: str) -> Dr
         if a.shape != var.get_value().shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {a.shape}, expected {var.get_value().shape}")
         out.append((path, var.replace(jnp.asarray(a, dtype=var.get_value().dtype))))
-    extra = sorted(set(tensors) - {_flat_name(p) for p, v in flat if not isinstance(v, TargetCopy)})
+    extra = sorted(set(tensors) - {flat_name(p) for p, v in flat if not isinstance(v, TargetCopy)})
     if missing or extra:
         raise ValueError(
             f"{source} does not match the drafter config: "
@@ -123,7 +123,7 @@ def save_drafter(drafter: Drafter, path: str, dtype: str | None = None) -> None:
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = {_flat_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.state)
+    tensors = {flat_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.state)
                if not isinstance(v, TargetCopy)}
     if dtype is not None:
         dt = jnp.dtype(dtype)

@@ -83,11 +83,11 @@ def pack(directories: dict[str, str], path: str, vocab_size: int = 0) -> dict:
     per sequence its tokens and the number of leading unsupervised (prompt) tokens — the loss
     mask of every regenerated or original-answer record is prompt zeros then response ones.
     `vocab_size` (the target's, 0 = unknown) is stored for `unpack` to report."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
     toks, plen, lens, shard_names, shard_sizes, splits = [], [], [], [], [], []
     for split, directory in directories.items():
         for sp in shard_paths(directory):
-            from array_record.python.array_record_module import ArrayRecordReader
-
             r = ArrayRecordReader(sp)
             recs = r.read_all()
             r.close()
