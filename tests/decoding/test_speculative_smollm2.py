@@ -8,11 +8,17 @@ run the full 128). Runtime on a shared 2-core CPU: ~5-6 min (AR ~90 s, oracle ~5
 random drafter ~160 s: 127 cycles each verifying 5 tokens per request; compiles ~25-35 s
 per run).
 
-The comparison is as exact as fp32 allows: a mismatch is reported with the target's top-2
-logit gap at the first differing position, so a near-tie can be told apart from a bug.
-Observed: with num_draft=1 instead of 4 (a different packed-step shape), prompt 2 differs
-at new token 68, where the top-2 logits are 12.940128 vs 12.940126 (gap 1.9e-6) — a
-summation-order tie, not a verification bug. With the settings below the outputs match.
+The comparison is as exact as fp32 allows. The target's logits come out of three compute
+paths (one-token decode steps, packed verification steps, the full forward) whose summation
+orders differ, so two tokens whose logits lie within a few ulps of each other can swap places
+between paths — on one machine and not another. These answers hold one such tie: prompt 2,
+new token 68, top-2 logits 12.940128 vs 12.940126 (gap 1.9e-5 by the full forward; 1.1e-5
+on the CI machine, where the speculative runs took the other token). Over the other 1,023
+positions the smallest top-2 gap is 4.2e-4. So an answer that differs from autoregressive
+decoding passes only if (1) it first differs where the target's top-2 gap is below TIE and
+(2) every token it emitted, before and after that point, is the target's argmax given its
+own prefix to within TIE (one teacher-forced forward over the whole answer). A verification
+bug emits a token that is not the argmax, by far more than TIE, and fails (2).
 """
 
 import numpy as np
@@ -43,6 +49,9 @@ PROMPTS = [
     "Give me step-by-step instructions for baking bread at home.",
 ]
 CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
+# fp32 logit tie (|logits| ≤ ~45 here, ulp ~4e-6): between the one observed tie (1.9e-5) and
+# the next-closest top-2 gap of these answers (4.2e-4).
+TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +64,50 @@ def ar(target):
     return ds.generate(target, CHATS, sampling=GREEDY).token_ids
 
 
-def mismatch_report(target, i, want, got) -> str:
+def greedy_margins(target, i, new_ids) -> np.ndarray:
+    """How far below the target's top logit each emitted token lies, given its own prefix
+    (0 = the argmax), from one teacher-forced forward over prompt + answer."""
+    prompt = encode_prompt(target, CHATS[i])
+    lg = np.asarray(ds.logits(target, prompt + list(new_ids[:-1])))[len(prompt) - 1:]
+    return lg.max(-1) - lg[np.arange(len(new_ids)), np.asarray(new_ids)]
+
+
+def mismatch(target, i, want, got) -> str | None:
+    """None when `got` differs from `want` only by an fp32 tie (see the module docstring),
+    else the report of the first difference."""
     n = min(len(want), len(got))
     j = next(j for j in range(n + 1) if j == n or want[j] != got[j])
     ids = encode_prompt(target, CHATS[i]) + want[:j]
     top = np.sort(np.asarray(ds.logits(target, ids))[-1])[::-1]
+    gap = top[0] - top[1]
+    worst = float(greedy_margins(target, i, got).max()) if got else 0.0
+    if j < n and gap < TIE and worst < TIE:
+        return None
     return (f"prompt {i}: first difference at new token {j} (AR {want[j:j + 3]}, spec {got[j:j + 3]}, "
-            f"lengths {len(want)} / {len(got)}); target top-2 logit gap there: {top[0] - top[1]:.3g}")
+            f"lengths {len(want)} / {len(got)}); target top-2 logit gap there: {gap:.3g}; "
+            f"the speculative answer's largest distance below the argmax: {worst:.3g}")
+
+
+def test_tie_check(target, ar):
+    """The tie allowance accepts exactly what fp32 can flip, and cannot hide a verification
+    bug. Taking the other token at prompt 2's tie and then following the target greedily from
+    there passes; the AR answer's own continuation spliced after the other token is reported,
+    and so is a non-argmax token anywhere else, and a truncated answer."""
+    j = 68
+    prompt = encode_prompt(target, CHATS[2])
+    lg = np.asarray(ds.logits(target, prompt + ar[2][:j]))[-1]
+    first, second = np.argsort(lg)[::-1][:2]
+    assert lg[first] - lg[second] < TIE and first == ar[2][j]  # the tie this module is about
+    prefix = ar[2][:j] + [int(second)]
+    rest = ds.generate(target, [prompt + prefix], sampling=ds.SamplingParams(
+        temperature=0.0, max_new_tokens=len(ar[2]) - len(prefix))).token_ids[0]
+    assert mismatch(target, 2, ar[2], prefix + rest) is None
+    spliced = prefix + ar[2][j + 1:]
+    assert mismatch(target, 2, ar[2], spliced) is not None
+    wrong = list(ar[0])
+    wrong[40] = (wrong[40] + 1) % target.cfg.vocab_size
+    assert mismatch(target, 0, ar[0], wrong) is not None
+    assert mismatch(target, 0, ar[0], ar[0][:-1]) is not None
 
 
 @pytest.mark.parametrize("kind", ["random", "oracle", "trained"])
@@ -77,8 +123,9 @@ def test_greedy_speculative_equals_autoregressive(target, ar, kind):
         lens = [len(encode_prompt(target, c)) for c in CHATS]
         drafter = OracleDrafter.from_lists(ar, lens, target.cfg.vocab_size, block_size=BLOCK)
     out = ds.generate(target, CHATS, drafter=drafter, sampling=GREEDY, num_draft=BLOCK)
-    bad = [mismatch_report(target, i, a, b) for i, (a, b) in enumerate(zip(ar, out.token_ids)) if a != b]
-    assert not bad, "\n".join(bad)
+    bad = [mismatch(target, i, a, b) for i, (a, b) in enumerate(zip(ar, out.token_ids)) if a != b]
+    assert not [b for b in bad if b], "\n".join(b for b in bad if b)
+    assert len(bad) <= 1, f"{len(bad)} answers differ at fp32 ties; these answers hold one such tie"
     assert sum(len(a) for a in ar) > 4 * MAX_NEW  # long answers, not early EOS
     if kind == "oracle":
         # Every cycle accepts all γ drafts except where an answer ends at EOS (the oracle
