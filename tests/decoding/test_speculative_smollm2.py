@@ -64,12 +64,13 @@ def ar(target):
     return ds.generate(target, CHATS, sampling=GREEDY).token_ids
 
 
-def greedy_margins(target, i, new_ids) -> np.ndarray:
-    """How far below the target's top logit each emitted token lies, given its own prefix
-    (0 = the argmax), from one teacher-forced forward over prompt + answer."""
-    prompt = encode_prompt(target, CHATS[i])
-    lg = np.asarray(ds.logits(target, prompt + list(new_ids[:-1])))[len(prompt) - 1:]
-    return lg.max(-1) - lg[np.arange(len(new_ids)), np.asarray(new_ids)]
+def answer_logits(target, i, new_ids) -> np.ndarray:
+    """The target's logits [len(new_ids), V] for each emitted token, given the prompt and the
+    answer before it: one teacher-forced forward, padded to a multiple of 256 tokens (causal,
+    so the padding changes no earlier row; one compiled shape for every call)."""
+    ids = encode_prompt(target, CHATS[i]) + list(new_ids)
+    padded = ids + [0] * (-len(ids) % 256)
+    return np.asarray(ds.logits(target, padded))[len(ids) - len(new_ids) - 1:len(ids) - 1]
 
 
 def mismatch(target, i, want, got) -> str | None:
@@ -77,10 +78,10 @@ def mismatch(target, i, want, got) -> str | None:
     else the report of the first difference."""
     n = min(len(want), len(got))
     j = next(j for j in range(n + 1) if j == n or want[j] != got[j])
-    ids = encode_prompt(target, CHATS[i]) + want[:j]
-    top = np.sort(np.asarray(ds.logits(target, ids))[-1])[::-1]
+    lg = answer_logits(target, i, got + [0])  # one more row: the logits after all of `got`
+    top = np.sort(lg[j])[::-1]  # got[:j] == want[:j]: the target's logits at the first difference
     gap = top[0] - top[1]
-    worst = float(greedy_margins(target, i, got).max()) if got else 0.0
+    worst = float((lg.max(-1) - lg[np.arange(len(got) + 1), got + [0]])[:-1].max()) if got else 0.0
     if j < n and gap < TIE and worst < TIE:
         return None
     return (f"prompt {i}: first difference at new token {j} (AR {want[j:j + 3]}, spec {got[j:j + 3]}, "
@@ -95,10 +96,11 @@ def test_tie_check(target, ar):
     and so is a non-argmax token anywhere else, and a truncated answer."""
     j = 68
     prompt = encode_prompt(target, CHATS[2])
-    lg = np.asarray(ds.logits(target, prompt + ar[2][:j]))[-1]
-    first, second = np.argsort(lg)[::-1][:2]
-    assert lg[first] - lg[second] < TIE and first == ar[2][j]  # the tie this module is about
-    prefix = ar[2][:j] + [int(second)]
+    lg = answer_logits(target, 2, ar[2][:j + 1])[j]
+    top2 = [int(t) for t in np.argsort(lg)[::-1][:2]]
+    assert lg[top2[0]] - lg[top2[1]] < TIE and ar[2][j] in top2  # the tie this module is about
+    other = top2[1] if top2[0] == ar[2][j] else top2[0]
+    prefix = ar[2][:j] + [other]
     rest = ds.generate(target, [prompt + prefix], sampling=ds.SamplingParams(
         temperature=0.0, max_new_tokens=len(ar[2]) - len(prefix))).token_ids[0]
     assert mismatch(target, 2, ar[2], prefix + rest) is None
