@@ -12,8 +12,8 @@ The comparison is as exact as fp32 allows. The target's logits come out of three
 paths (one-token decode steps, packed verification steps, the full forward) whose summation
 orders differ, so two tokens whose logits lie within a few ulps of each other can swap places
 between paths — on one machine and not another. These answers hold one such tie: prompt 2,
-new token 68, top-2 logits 12.940128 vs 12.940126 (gap 1.9e-5 by the full forward; 1.1e-5
-on the CI machine, where the speculative runs took the other token). Over the other 1,023
+new token 68, top-2 gap 1.9e-5 by the full forward here (1.1e-5 on the CI machine, where
+the speculative runs took the other token). Over the other 1,023
 positions the smallest top-2 gap is 4.2e-4. So an answer that differs from autoregressive
 decoding passes only if (1) it first differs where the target's top-2 gap is below TIE and
 (2) every token it emitted, before and after that point, is the target's argmax given its
@@ -81,7 +81,8 @@ def mismatch(target, i, want, got) -> str | None:
     lg = answer_logits(target, i, got + [0])  # one more row: the logits after all of `got`
     top = np.sort(lg[j])[::-1]  # got[:j] == want[:j]: the target's logits at the first difference
     gap = top[0] - top[1]
-    worst = float((lg.max(-1) - lg[np.arange(len(got) + 1), got + [0]])[:-1].max()) if got else 0.0
+    emitted = lg[:len(got)]  # the rows that chose `got`
+    worst = float((emitted.max(-1) - emitted[np.arange(len(got)), got]).max()) if got else 0.0
     if j < n and gap < TIE and worst < TIE:
         return None
     return (f"prompt {i}: first difference at new token {j} (AR {want[j:j + 3]}, spec {got[j:j + 3]}, "
