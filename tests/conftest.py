@@ -92,7 +92,7 @@ def tiny_target():
 # --------------------------------------------------------------------------- test tiers
 
 # `pytest -m "not slow"` is the inner-loop tier (tiny random models, pure functions, a few
-# end-to-end decoding checks; ~1 minute); the README's command runs everything. Slow, marked
+# end-to-end decoding checks; ~1.5 minutes serial on 2 cores); the README's command runs everything. Slow, marked
 # where it is defined (`pytestmark` for a module, `@pytest.mark.slow` for a test): a program
 # in a subprocess (training, CLI, server, notebooks), a large statistical sample, a test that
 # compiles many programs (over ~2 s on 2 cores). Whatever loads the real SmolLM2 or HF

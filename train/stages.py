@@ -31,14 +31,19 @@ def load_target(cfg: TrainConfig):
     return ds.load_target(cfg.target)
 
 
-def _source_spec(spec: str) -> tuple[str, int | None]:
-    """'name' or 'name@N' (at most N prompts of that source, a seeded sample)."""
+def _source_spec(spec: str) -> tuple[str, int, int | None]:
+    """'name' → (name, 0, None): every prompt; 'name@N' → (name, 0, N): a seeded sample of N;
+    'name@A:B' → (name, A, B): items A..B-1 of the same seeded order, so slices of one source
+    under one seed never overlap (a later run can take the prompts an earlier one did not)."""
     src, at, cap = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not at:
-        return spec, None
-    if not cap.isdigit() or int(cap) <= 0:
-        raise ValueError(f"prompt source {spec!r}: expected 'name@N' with N a positive integer")
-    return src, int(cap)
+        return spec, 0, None
+    a, colon, b = cap.partition(":")
+    if not colon:
+        a, b = "0", a
+    if not (a.isdigit() and b.isdigit()) or int(b) <= int(a):
+        raise ValueError(f"prompt source {spec!r}: expected 'name@N' or 'name@A:B' with integers 0 <= A < B")
+    return src, int(a), int(b)
 
 
 def _prompts(cfg: TrainConfig, target):
@@ -46,15 +51,15 @@ def _prompts(cfg: TrainConfig, target):
     rng = np.random.default_rng(cfg.seed)
     allp: list = []
     for spec in cfg.prompt_sources:
-        src, cap = _source_spec(spec)
+        src, start, stop = _source_spec(spec)
         if src == "synthetic":
             V = target.cfg.vocab_size
             got = [[1] + rng.integers(3, V, int(rng.integers(4, 12))).tolist() for _ in range(cfg.max_prompts)]
         else:
             got = list(iter_prompts(src))
-        if cap is not None:  # a seeded sample of this source only
+        if stop is not None:  # a seeded sample of this source only
             random.Random(f"{cfg.seed}:{src}").shuffle(got)
-            got = got[:cap]
+            got = got[start:stop]
         allp += got
     if not allp:
         raise ValueError(f"the prompt sources {cfg.prompt_sources} hold no prompts")

@@ -11,6 +11,8 @@ answers it with its chat template (on-policy data, see `regenerate.py`). Sources
 - `pystdlib`: code prompts built from this interpreter's standard library — a public
   function's (or method's) signature and docstring, and a request to implement it. Answers
   in the shape HumanEval asks for, from a source no benchmark draws on.
+- `pystdlib-more`: the same from ~140 further standard-library modules (asyncio, email,
+  multiprocessing, unittest, xml, ...), none of the prompts `pystdlib` gives (~800 more).
 - `mathgen`: grade-school word problems from a seeded generator (a few dozen templates, random
   names, objects and numbers), asking for step-by-step reasoning — the shape GSM8K asks for.
 - a path to a local JSONL file whose lines hold `turns` (a list of user turns; the first is
@@ -92,15 +94,40 @@ _CODE_ASKS = (
 )
 
 
-def _pystdlib() -> Iterator[str]:
+# Further modules for `pystdlib-more` (present in Python 3.11 to 3.13, importable without a GUI).
+_STDLIB_MORE_MODULES = (
+    "asyncio.base_events asyncio.events asyncio.futures asyncio.locks asyncio.queues asyncio.streams asyncio.tasks "
+    "asyncio.subprocess asyncio.transports asyncio.runners concurrent.futures._base concurrent.futures.thread "
+    "concurrent.futures.process multiprocessing.pool multiprocessing.connection multiprocessing.managers "
+    "multiprocessing.shared_memory multiprocessing.util multiprocessing.process multiprocessing.queues "
+    "multiprocessing.synchronize multiprocessing.context importlib.metadata importlib.resources importlib.util "
+    "importlib.abc importlib.machinery email.parser email.generator email.policy email.contentmanager email.iterators "
+    "email.feedparser email.charset email.encoders email.quoprimime email.base64mime email.headerregistry "
+    "http.server http.cookiejar logging.handlers logging.config xml.sax.saxutils xml.sax.handler xml.sax.xmlreader "
+    "xml.sax.expatreader xml.dom.pulldom xml.dom.expatbuilder xml.dom.minicompat xml.etree.ElementPath xmlrpc.client "
+    "xmlrpc.server html.parser urllib.robotparser urllib.error unittest.mock unittest.loader unittest.runner "
+    "unittest.suite unittest.result unittest.util unittest.async_case pydoc sysconfig platform getopt optparse "
+    "pkgutil modulefinder runpy compileall py_compile tabnanny pyclbr symtable opcode stringprep operator pdb bdb "
+    "shelve dbm dbm.dumb linecache fileinput stat tracemalloc pstats profile cProfile zipimport zipapp venv "
+    "json.tool encodings.idna encodings.punycode ssl socket subprocess os ntpath genericpath io collections.abc "
+    "asyncio.sslproto wsgiref.simple_server wsgiref.validate wsgiref.handlers ctypes.util tomllib webbrowser "
+    "rlcompleter getpass"
+).split()
+
+
+def _stdlib_prompts(modules, seen: set) -> Iterator[str]:
+    """Code prompts from `modules`' public functions and methods with a docstring of ≥ 60
+    characters, skipping (name, docstring) pairs already in `seen` (which it extends)."""
     import importlib
     import inspect
     import textwrap
+    import warnings
 
-    seen = set()
-    for name in _STDLIB_MODULES:
+    for name in modules:
         try:
-            mod = importlib.import_module(name)
+            with warnings.catch_warnings():  # deprecated modules still make good prompts
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(name)
         except ImportError:
             continue
         items = []
@@ -126,6 +153,17 @@ def _pystdlib() -> Iterator[str]:
             if name.split(".")[0] not in ("typing",):
                 code = f"import {name.split('.')[0]}\n\n\n" + code
             yield _CODE_ASKS[len(seen) % len(_CODE_ASKS)].format(code=code.rstrip())
+
+
+def _pystdlib(more: bool = False) -> Iterator[str]:
+    seen: set = set()
+    base = _stdlib_prompts(_STDLIB_MODULES, seen)
+    if not more:
+        yield from base
+        return
+    for _ in base:  # fills `seen`: `pystdlib-more` holds none of `pystdlib`'s prompts
+        pass
+    yield from _stdlib_prompts(_STDLIB_MORE_MODULES, seen)
 
 
 def _mathgen(n: int = 4000, seed: int = 0) -> Iterator[str]:
@@ -198,22 +236,22 @@ def _jsonl(path: str) -> Iterator[list[dict]]:
 
 
 def iter_prompts(source: str) -> Iterator[list[dict]]:
-    """Chat prompts from a named source ('sharegpt', 'humaneval', 'pystdlib', 'mathgen') or a
-    local JSONL path."""
+    """Chat prompts from a named source ('sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more',
+    'mathgen') or a local JSONL path."""
     if source == "sharegpt":
         yield from ([{"role": "user", "content": t}] for t in _sharegpt())
     elif source == "humaneval":
         yield from ([{"role": "user", "content": t}] for t in _humaneval())
-    elif source == "pystdlib":
-        yield from ([{"role": "user", "content": t}] for t in _pystdlib())
+    elif source in ("pystdlib", "pystdlib-more"):
+        yield from ([{"role": "user", "content": t}] for t in _pystdlib(more=source == "pystdlib-more"))
     elif source == "mathgen":
         yield from ([{"role": "user", "content": t}] for t in _mathgen())
     elif os.path.isfile(source):
         yield from _jsonl(source)
     else:
         raise FileNotFoundError(
-            f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval', 'pystdlib', 'mathgen' or the path "
-            "of a JSONL file"
+            f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more', "
+            "'mathgen' or the path of a JSONL file"
         )
 
 

@@ -86,6 +86,7 @@ def _tiny_hf_checkpoint(path):
     return path
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_checkpoint_missing_or_extra_tensor(tmp_path):
     from safetensors.numpy import load_file, save_file
 

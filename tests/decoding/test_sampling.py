@@ -123,6 +123,7 @@ def test_windowed_thresholds_and_their_fallback_match_the_reference(window):
     check_rows(got.reshape(-1, 64), mid, [sp for sp in REFERENCE_PARAMS for _ in range(3)])
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_ties_at_the_window_edge_and_beyond_are_kept():
     """A tie group that straddles the window: top-k and top-p keep all of it."""
     x = np.array([[3.0, 2.0, 1.0, 1.0, 1.0, 1.0, 0.0, -1.0]], np.float32)

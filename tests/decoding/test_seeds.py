@@ -40,6 +40,7 @@ def test_any_int_seed_is_reproducible_and_batch_independent(target, seed):
     assert batch.token_ids[1] == alone
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_no_seed_means_fresh_randomness_that_stats_can_replay(target):
     assert ds.SamplingParams().seed is None
     a = ds.generate(target, [PROMPT] * 2, sampling=sampled(None))

@@ -127,6 +127,7 @@ def _stack_into_scan(target_unrolled):
     return ds.Target(cfg, graphdef, nnx.from_flat_state(out))
 
 
+@pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_scan_layers_equals_unrolled(tiny_target):
     unrolled = tiny_target("qwen3", seed=5, num_layers=LAYERS)
     scanned = _stack_into_scan(unrolled)
