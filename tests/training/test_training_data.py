@@ -4,6 +4,7 @@ draft vocabulary, and resumable regeneration on a tiny target."""
 import json
 import os
 
+import numpy as np
 import pytest
 
 import dspark_jax as ds
@@ -72,6 +73,33 @@ def test_training_sources_hold_no_evaluation_prompt(source, at_least):
     # The check itself finds a planted evaluation problem.
     planted = ["please", "help:"] + evals[len(evals) // 2] + ["thanks"]
     assert any(tuple(planted[i:i + W]) in probes for i in range(len(planted) - W + 1))
+
+
+_COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "train", "data")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(_COMMITTED) if f.endswith(".npz")))
+def test_committed_token_data_holds_no_evaluation_prompt(name, smollm2):
+    """The packed training data in the repository (the target's answers, regenerated once and
+    committed) passes the same check as the prompt sources: every record's prompt, decoded,
+    holds no evaluation prompt as a 10-word passage (train and held-out splits alike)."""
+    z = np.load(os.path.join(_COMMITTED, name))
+    tokens, lens, plen = z["tokens"].astype(np.int64), z["lengths"], z["prompt_lengths"]
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    assert int(lens.sum()) == tokens.size and len(lens) >= 100
+    prompts = [_norm(smollm2.tokenizer.decode(tokens[starts[i]:starts[i] + plen[i]].tolist()))
+               for i in range(len(lens))]
+    assert all(len(p.split()) >= 5 for p in prompts)
+    W = 10
+    evals = [_norm(e).split() for e in _eval_prompts()]
+    probes = {tuple(w[len(w) // 2 - W // 2:][:W]) for w in evals if len(w) >= W}
+    hits = [p[:120] for p in prompts if any(tuple(t[i:i + W]) in probes
+                                           for t in [p.split()] for i in range(len(t) - W + 1))]
+    assert not hits, hits[:3]
+    # The check finds an evaluation prompt put through the same tokenizer round trip.
+    e = _eval_prompts()[7]
+    back = _norm(smollm2.tokenizer.decode(smollm2.tokenizer.encode(e)))
+    assert any(tuple(back.split()[i:i + W]) in probes for i in range(len(back.split()) - W + 1))
 
 
 def test_generated_sources_are_stable_and_varied():
