@@ -127,6 +127,13 @@ def main(argv=None):
     ap.add_argument("--speed-datasets", default=",".join(DATASETS), help="comma-separated sets of the speed table")
     ap.add_argument("--speed-temperatures", default="0,1", help="comma-separated temperatures of the speed table")
     args = ap.parse_args(argv)
+    # Every prompt set is read before any model is loaded: a misspelt name fails at once, not
+    # after the earlier sets' minutes of decoding.
+    for name in {*args.datasets.split(","), *args.speed_datasets.split(",")}:
+        try:
+            eval_prompts(name, 1)
+        except FileNotFoundError as e:
+            ap.error(str(e))
     target = ds.load_target(args.target, scan_layers=args.scan_layers)
     drafters = {"DSpark": ds.load_drafter(args.drafter, target)}
     if args.topk_variant:
