@@ -149,6 +149,31 @@ def fmt_lat(s: dict) -> str:
     return f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p99']:.0f}"
 
 
+def plot_throughput(results: dict, names, concs, path: str) -> None:
+    """Output tokens/s against concurrency, one line per configuration and mode that ran
+    (`results` as in the JSON: "name@C" → {"library": [...], "http": [...]})."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        for mode, ls in (("library", "-"), ("http", "--")):
+            runs = [results.get(f"{name}@{C}", {}).get(mode) for C in concs]
+            if not any(runs):
+                continue
+            ys = [median([x["output_throughput"] for x in r]) if r else float("nan") for r in runs]
+            ax.plot(concs, ys, ls, marker="o", label=f"{name} ({mode})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (= slots)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("SmolLM2-135M fp32, 2-core CPU")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32")
@@ -224,24 +249,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1, default=float)
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name in names:
-            for mode, ls in (("library", "-"), ("http", "--")):
-                ys = [median([x["output_throughput"] for x in results[f"{name}@{C}"][mode]])
-                      if results[f"{name}@{C}"][mode] else float("nan") for C in concs]
-                ax.plot(concs, ys, ls, marker="o", label=f"{name} ({mode})")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency (= slots)")
-        ax.set_ylabel("output tokens / s")
-        ax.set_title("SmolLM2-135M fp32, 2-core CPU")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=100)
+        plot_throughput(results, names, concs, args.png)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ same on-device loop `generate()` uses (`decode_loop`, with the chosen policy ove
 slots), then streams the new tokens of every request to its callback and retires finished
 or cancelled requests, freeing their slots.
 
-Static shapes, so steady-state serving compiles nothing (beyond one prefill program per
-attention window, when first reached): S slots, cache length T, output buffer O, prompt
-chunks of P tokens; every sampling filter is compiled
+Static shapes, so steady-state serving compiles nothing (beyond the programs of each
+attention window, when first reached): S slots, output buffer O, prompt chunks of P tokens;
+the target's cache is sized to the window that holds every running context (up to the
+`max_len` bucket T; resized in one copy when a window is crossed, because attention over a
+window cut from a longer cache copies it every step on CPU); every sampling filter is compiled
 in, so any mix of temperature / top-k / top-p / min-p reuses the same programs.
 Beyond one chip: `Engine(..., mesh=make_mesh(data=…, tensor=…))` places the target's and
 the drafter's parameters by the serving rules (`dspark_jax.sharding.SERVING_RULES`: weights
@@ -84,12 +86,13 @@ def _shard_cache(cache: KVCache, mesh) -> KVCache:
     """A KV cache with its KV heads over the tensor axis (when they divide), the rest replicated."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    ax = cache.heads_axis
-    heads = cache.k.shape[ax]
-    spec = [None] * cache.k.ndim
-    spec[ax] = "tensor" if heads % mesh.shape["tensor"] == 0 else None
-    sh = NamedSharding(mesh, PartitionSpec(*spec))
-    return cache.replace(k=jax.device_put(cache.k, sh), v=jax.device_put(cache.v, sh))
+    def put(x, _):
+        spec = [None] * x.ndim
+        ax = x.ndim + cache.heads_axis
+        spec[ax] = "tensor" if x.shape[ax] % mesh.shape["tensor"] == 0 else None
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    return cache.map_arrays(put)
 
 
 class Engine:
@@ -128,6 +131,8 @@ class Engine:
         S = slots
         st = GenState.create(cfg, drafter, self.dparams, slots=S, cache_len=self.T, out_len=O, num_draft=K,
                              stop_ids=np.full((S, self.M), -1, np.int32))
+        # The target's cache starts at the first window and follows the contexts (`step`).
+        st = st.replace(cache=st.cache.resized(min(self.windows, default=self.T)))
         if mesh is not None:
             st = st.replace(cache=_shard_cache(st.cache, mesh),
                             dcache=_shard_cache(st.dcache, mesh) if isinstance(st.dcache, KVCache) else st.dcache)
@@ -200,6 +205,11 @@ class Engine:
         if any(r.status == "running" for r in self.running.values()):
             seq_len, done = np.asarray(self.st.seq_len), np.asarray(self.st.done)
             window = pick_window(self.windows, int(seq_len[~done].max(initial=0)) + self.K + 1)
+            # The target's cache is sized to the window (attention over a window of a longer
+            # cache copies it every step), never below a prompt still being prefilled.
+            prefilling = max((r.prefilled for r in self.running.values() if r.status == "prefilling"), default=0)
+            length = max(window or self.T, pick_window(self.windows, prefilling) or self.T)
+            self.st = self.st.replace(cache=self.st.cache.resized(length))
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
                                   self.sa, jnp.int32(self.cycles_per_step), self.sched,
                                   settings=dataclasses.replace(self.settings, kv_window=window))
@@ -245,12 +255,16 @@ class Engine:
             # The chunk's query rows are its own, rounded up to a power of two (≥ 16): a short
             # prompt pays for its tokens, not for the step's whole budget P.
             rows = self.chunk_rows(n)
+            # The cache is sized to the decode window: grown here when this prompt needs more.
+            # The chunk runs on its row cut to the prompt's own window (`prefill_one`).
+            window = pick_window(self.windows, req.prefilled + n)
+            if cache.length < (window or self.T):
+                cache = cache.resized(window or self.T)
             tokens = np.zeros(rows, np.int32)
             tokens[:n] = req.prompt_ids[req.prefilled: req.prefilled + n]
             logits[slot], cache, dcache = prefill_one(
                 self.target.graphdef, self.target.state, self.drafter, self.dparams, cache, dcache, jnp.int32(slot),
-                jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.prefilled), chunk=rows,
-                kv_window=pick_window(self.windows, req.prefilled + n))
+                jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.prefilled), chunk=rows, kv_window=window)
             chunk[slot] = True
             used += n
             req.prefilled += n

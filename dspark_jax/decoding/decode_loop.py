@@ -66,7 +66,8 @@ class LoopSettings:
     # Attention window (cache-length bucket): the target, and a drafter whose context cache
     # is a KVCache, attend over the first `kv_window` cache positions only; the loop stops
     # before a cycle could reach past it, and the host continues with the next, doubled
-    # window. None: the whole cache.
+    # window. None: the whole cache. The hosts (`generate`, the serving engine) size the
+    # target's cache to the window (`KVCache.resized`), so only the drafter's is sliced.
     kv_window: int | None = None
     # Slot compaction: the loop also stops when at most `compact_at` slots are still active
     # and one of them has at least `compact_min_tokens` tokens to go; the host then gathers the

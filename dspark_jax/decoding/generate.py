@@ -340,6 +340,9 @@ def _run(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _Plan,
         window = pick_window(plan.windows, int(seq_len[~done].max(initial=0)) + K + 1)
         if window not in used_windows:
             used_windows.append(window)
+        # The target's cache is cut (or grown) to the window once, here: attention over a
+        # window of a longer cache would copy that window out every step (KVCache).
+        st = st.replace(cache=st.cache.resized(window or plan.T))
         n_slots = len(rows)
         loop = dataclasses.replace(settings, kv_window=window, compact_at=n_slots // 2 if compact else 0)
         st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,

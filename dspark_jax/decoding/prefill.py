@@ -96,9 +96,6 @@ def first_tokens(st: GenState, logits_SV, lens_S, sa: SamplingArrays) -> GenStat
 start_decoding = jax.jit(first_tokens, donate_argnames=("st",))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("tgraph", "drafter", "chunk", "kv_window"), donate_argnames=("cache", "dcache")
-)
 def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, tokens_P, length, start=0, *,
                 chunk: int, kv_window=None):
     """Prefills one request's prompt tokens `tokens_P[:length]` into cache row `slot` at
@@ -107,12 +104,33 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
 
     Its cost is the request's own: a [1, chunk] query grid against the window, never the
     other slots' (a batched prefill pays S × chunk query rows per chunk, which grows with S²
-    over a batch). The slot's cache row is cut out, filled and written back in place (the
-    caches are donated); the drafter's context is appended for this slot only."""
+    over a batch). The slot's row is cut out to the window `kv_window` (every position the
+    prompt reaches lies below it; None: the whole cache), filled, and pasted back (the caches
+    are donated); the drafter's context is appended for this slot only. The model's program
+    depends on the window and `chunk` only, not on the cache's length, which the decode
+    loops change as contexts grow (`KVCache.resized`)."""
+    w = cache.length if kv_window is None else min(int(kv_window), cache.length)
+    row = _cut_row(cache, slot, w=w)
+    last, row, dcache = _prefill_row(tgraph, tstate, drafter, dparams, row, dcache, slot, tokens_P, length, start,
+                                     chunk=chunk)
+    return last, _paste_row(cache, row, slot), dcache
+
+
+@functools.partial(jax.jit, static_argnames=("w",))
+def _cut_row(cache: KVCache, slot, *, w: int) -> KVCache:
+    return cache.slot_row(slot).window(w)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _paste_row(cache: KVCache, row: KVCache, slot) -> KVCache:
+    return cache.with_slot_row(row, slot)
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "chunk"), donate_argnames=("row", "dcache"))
+def _prefill_row(tgraph, tstate, drafter, dparams, row: KVCache, dcache, slot, tokens_P, length, start, *, chunk: int):
+    """`prefill_one` on the slot's row (a one-slot cache)."""
     target = nnx.merge(tgraph, tstate)
     feature_layers = drafter.feature_layers if drafter is not None else ()
-    row = cache.replace(k=jax.lax.dynamic_index_in_dim(cache.k, slot, 1),
-                        v=jax.lax.dynamic_index_in_dim(cache.v, slot, 1))
     P = tokens_P.shape[0]
     padded = jnp.concatenate([tokens_P, jnp.zeros((chunk,), tokens_P.dtype)])
 
@@ -124,8 +142,7 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
         toks = jax.lax.dynamic_slice_in_dim(padded, jnp.minimum(done, P), chunk)
         lay = packed_layout((start + done)[None], take[None], chunk, chunk)
         logits, feats, row = target(row, toks, (start + done)[None], take[None], q_max=chunk,
-                                    logits_idx=jnp.maximum(take - 1, 0)[None], feature_layers=feature_layers,
-                                    kv_window=kv_window)
+                                    logits_idx=jnp.maximum(take - 1, 0)[None], feature_layers=feature_layers)
         if drafter is not None:
             dcache = append_context(drafter, dparams, dcache, target, feats, jnp.full_like(lay.slot_N, slot),
                                     lay.pos_N, lay.valid_N, toks)
@@ -133,9 +150,7 @@ def prefill_one(tgraph, tstate, drafter, dparams, cache: KVCache, dcache, slot, 
 
     init = (jnp.int32(0), row, dcache, jnp.zeros((target.cfg.vocab_size,), jnp.float32))
     _, row, dcache, last = jax.lax.while_loop(lambda c: c[0] < length, body, init)
-    cache = cache.replace(k=jax.lax.dynamic_update_index_in_dim(cache.k, row.k, slot, 1),
-                          v=jax.lax.dynamic_update_index_in_dim(cache.v, row.v, slot, 1))
-    return last, cache, dcache
+    return last, row, dcache
 
 
 

@@ -32,48 +32,110 @@ from dspark_jax.models.layers import MLP, Attention, RMSNorm, attend_cached, par
 class KVCache:
     """Keys and values of every layer, in one of two layouts (a static flag):
 
-    - heads-major (the target's, `KVCache.zeros`): k [L, S, K, E, T] (keys stored transposed),
-      v [L, S, K, T, E]. A slot's keys for one head are an [E, T] matrix, so decode and
+    - heads-major (the target's, `KVCache.zeros`): k [S, K, E, T] (keys stored transposed),
+      v [S, K, T, E] per layer. A slot's keys for one head are an [E, T] matrix, so decode and
       verification scores are a multiply-reduce vectorised over T and prefill scores a plain
       [Q·I, E] × [E, T] matmul: no per-step transpose (`layers.attend_cached`).
     - position-major (`heads_major=False`, the drafter's context cache): k, v [L, S, T, K, E].
+
+    The target's cache is a tuple of per-layer arrays for unrolled layers and one stacked
+    [L, ...] array for scanned layers (`lax.scan` walks the leading axis). Per-layer buffers
+    matter on CPU: the fused attention reads its operands whole, so a layer's slice of a
+    stacked buffer — or a window cut from a longer cache — is first copied out, once per
+    layer and step (BENCHMARKS.md, "Engine cost"). The decode loops therefore size the cache
+    to the attention window (`resized`) instead of slicing it.
+
+    Every array keeps its slot, head and position axes at the same negative index whatever
+    the leading axes, which is how the methods below treat both forms alike.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     heads_major: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_slots: int, length: int, dtype=None) -> KVCache:
-        """The target's cache (heads-major)."""
+        """The target's cache (heads-major): per-layer arrays, or stacked ones for scanned layers."""
         L, S, T, K, E = cfg.num_layers, num_slots, length, cfg.num_kv_heads, cfg.head_dim
         dt = dtype or cfg.jnp_dtype
-        return cls(jnp.zeros((L, S, K, E, T), dt), jnp.zeros((L, S, K, T, E), dt), heads_major=True)
+        if cfg.scan_layers:
+            return cls(jnp.zeros((L, S, K, E, T), dt), jnp.zeros((L, S, K, T, E), dt), heads_major=True)
+        return cls(tuple(jnp.zeros((S, K, E, T), dt) for _ in range(L)),
+                   tuple(jnp.zeros((S, K, T, E), dt) for _ in range(L)), heads_major=True)
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    def _first(self, which: str) -> jax.Array:
+        x = getattr(self, which)
+        return x[0] if self.per_layer else x
+
+    def map_arrays(self, f) -> KVCache:
+        """f(array, is_key) applied to every array."""
+        if self.per_layer:
+            return self.replace(k=tuple(f(x, True) for x in self.k), v=tuple(f(x, False) for x in self.v))
+        return self.replace(k=f(self.k, True), v=f(self.v, False))
+
+    def _time_axis(self, is_key: bool) -> int:
+        return (-1 if is_key else -2) if self.heads_major else -3
+
+    # slot axis: -4 in every layout ([.., S, K, E, T], [.., S, K, T, E], [L, S, T, K, E])
+    @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self._first("k").shape[-4]
 
     @property
     def length(self) -> int:
-        return self.v.shape[3] if self.heads_major else self.v.shape[2]
+        return self._first("k").shape[self._time_axis(True)]
 
     @property
     def heads_axis(self) -> int:
-        """The KV-heads axis of both k and v (what tensor parallelism splits)."""
-        return 2 if self.heads_major else 3
+        """The KV-heads axis of every array, counted from the end (what tensor parallelism splits)."""
+        return -3 if self.heads_major else -2
 
     def take(self, idx) -> KVCache:
         """The slots `idx` (slot compaction)."""
-        return self.replace(k=self.k[:, idx], v=self.v[:, idx])
+        return self.map_arrays(lambda x, _: jnp.take(x, idx, axis=x.ndim - 4))
 
     def window(self, w: int | None) -> KVCache:
         """The first `w` positions of every slot (None or ≥ T: the whole cache)."""
         if w is None or w >= self.length:
             return self
-        if self.heads_major:
-            return self.replace(k=self.k[..., :w], v=self.v[:, :, :, :w])
-        return self.replace(k=self.k[:, :, :w], v=self.v[:, :, :w])
+        return self.map_arrays(lambda x, key: jax.lax.slice_in_dim(x, 0, w, axis=x.ndim + self._time_axis(key)))
+
+    def resized(self, length: int) -> KVCache:
+        """The cache with `length` positions per slot: cut (positions past it must be unused)
+        or zero-padded. One copy, where reading a window of a longer cache copies it every step."""
+        T = self.length
+        if length == T:
+            return self
+        if length < T:
+            return self.window(length)
+
+        def pad(x, key):
+            widths = [(0, 0)] * x.ndim
+            widths[x.ndim + self._time_axis(key)] = (0, length - T)
+            return jnp.pad(x, widths)
+
+        return self.map_arrays(pad)
+
+    def slot_row(self, slot) -> KVCache:
+        """Slot `slot`'s entries (a one-slot cache)."""
+        return self.map_arrays(lambda x, _: jax.lax.dynamic_index_in_dim(x, slot, x.ndim - 4))
+
+    def with_slot_row(self, row: KVCache, slot) -> KVCache:
+        """This cache with slot `slot` overwritten by the one-slot cache `row`, whose
+        positions may be fewer (a row cut to a window: the positions past it are kept)."""
+
+        def paste(x, r):
+            at = [0] * x.ndim
+            at[x.ndim - 4] = slot
+            return jax.lax.dynamic_update_slice(x, r.astype(x.dtype), at)
+
+        if self.per_layer:
+            return self.replace(k=tuple(map(paste, self.k, row.k)), v=tuple(map(paste, self.v, row.v)))
+        return self.replace(k=paste(self.k, row.k), v=paste(self.v, row.v))
 
 
 @struct.dataclass
@@ -141,15 +203,17 @@ def _write_index(lay: PackedLayout, num_slots: int):
 
 
 def _write_layer(ks, vs, i, ws, wp, k_NKE, v_NKE):
-    """Layer i's new keys and values scattered into the stacked heads-major buffers at the
-    `_write_index` entries (k [N, K, E] lands at [i, slot, :, :, pos] of the transposed keys);
-    the dummy entry gets zeros and is dropped."""
+    """Layer i's new keys and values scattered into the heads-major buffers at the
+    `_write_index` entries (k [N, K, E] lands at [slot, :, :, pos] of the transposed keys);
+    the dummy entry gets zeros and is dropped. `i` None: `ks`, `vs` are the layer's own
+    buffers [S, ...]; otherwise the stacked [L, S, ...] ones."""
 
     def padded(x):
         return jnp.concatenate([x, jnp.zeros_like(x[:1])], 0)
 
-    ks = ks.at[i, ws, :, :, wp].set(padded(k_NKE).astype(ks.dtype), mode="drop")
-    vs = vs.at[i, ws, :, wp].set(padded(v_NKE).astype(vs.dtype), mode="drop")
+    lead = () if i is None else (i,)
+    ks = ks.at[(*lead, ws, slice(None), slice(None), wp)].set(padded(k_NKE).astype(ks.dtype), mode="drop")
+    vs = vs.at[(*lead, ws, slice(None), wp)].set(padded(v_NKE).astype(vs.dtype), mode="drop")
     return ks, vs
 
 
@@ -213,6 +277,8 @@ class Transformer(nnx.Module):
         taps = {-1: x} if -1 in feature_layers else {}
         ws, wp = _write_index(lay, cache.num_slots)
         if cfg.scan_layers:
+            if cache.per_layer:
+                raise ValueError("scanned layers take a stacked KV cache: make it with KVCache.zeros")
             gdef, lstate = nnx.split(self.layers)
 
             # The whole stacked cache rides in the carry and each layer scatters into its own
@@ -232,16 +298,19 @@ class Transformer(nnx.Module):
             cache = cache.replace(k=ks, v=vs)
             taps.update({i: hs[i] for i in feature_layers if i >= 0})
         else:
-            ks, vs = cache.k, cache.v
+            if not cache.per_layer:
+                raise ValueError("unrolled layers take a per-layer KV cache: make it with KVCache.zeros")
+            ks, vs = list(cache.k), list(cache.v)
             for i, layer in enumerate(self.layers):
                 q, k, v = layer.qkv(x, lay, inv_freq)
-                # Scatter straight into the stacked buffer: updating a per-layer slice and
-                # writing it back makes XLA copy the whole cache once per layer.
-                ks, vs = _write_layer(ks, vs, i, ws, wp, k, v)
-                x = layer.finish(x, q, ks[i, ..., :W], vs[i, :, :, :W], lay, mask)
+                ks[i], vs[i] = _write_layer(ks[i], vs[i], None, ws, wp, k, v)
+                # W < T copies the window out (on CPU); the decode loops size the cache to it.
+                k_w = ks[i] if W == T else ks[i][..., :W]
+                v_w = vs[i] if W == T else vs[i][:, :, :W]
+                x = layer.finish(x, q, k_w, v_w, lay, mask)
                 if i in feature_layers:
                     taps[i] = x
-            cache = cache.replace(k=ks, v=vs)
+            cache = cache.replace(k=tuple(ks), v=tuple(vs))
         feats = jnp.concatenate([taps[i] for i in feature_layers], -1) if feature_layers else None
         h = x if logits_idx is None else x[logits_idx]
         return self.unembed(h), feats, cache

@@ -127,6 +127,36 @@ def _stack_into_scan(target_unrolled):
     return ds.Target(cfg, graphdef, nnx.from_flat_state(out))
 
 
+def test_resized_cache_keeps_every_used_position(tiny_target):
+    """The decode loops size the cache to the attention window (`KVCache.resized`): cutting
+    it past the used positions and growing it back must leave decoding exact; the unrolled
+    target's cache is per layer, the scanned one's stacked, with the same slot rows."""
+    target = tiny_target("qwen3", seed=1, num_layers=LAYERS)
+    seq = ids(T, seed=0)
+    ref = full(target, seq)
+    cache = KVCache.zeros(target.cfg, 2, 32)
+    assert cache.per_layer and len(cache.k) == LAYERS and cache.length == 32 and cache.num_slots == 2
+    (got, _), cache = step(target, cache, [seq[:10], seq[:3]], [0, 0], n_bucket=16, q_max=16)
+    np.testing.assert_allclose(got, ref[:10], rtol=0, atol=ATOL)
+    small = cache.resized(12)  # positions 0..9 used; 12 hold them
+    assert small.length == 12 and small.k[0].shape == (2, target.cfg.num_kv_heads, target.cfg.head_dim, 12)
+    np.testing.assert_array_equal(np.asarray(small.v[1]), np.asarray(cache.v[1])[:, :, :12])
+    (got, _), small = step(target, small, [seq[10:11], []], [10, 3], n_bucket=1, q_max=1)
+    np.testing.assert_allclose(got, ref[10:11], rtol=0, atol=ATOL)
+    grown = small.resized(24)
+    assert grown.length == 24 and not np.asarray(grown.k[0])[..., 12:].any()
+    (got, _), grown = step(target, grown, [seq[11:T], []], [11, 3], n_bucket=8, q_max=8)
+    np.testing.assert_allclose(got, ref[11:T], rtol=0, atol=ATOL)
+    row = grown.slot_row(0)
+    assert row.num_slots == 1
+    back = grown.with_slot_row(row, 1)  # slot 0's row copied onto slot 1
+    np.testing.assert_array_equal(np.asarray(back.k[1])[1], np.asarray(grown.k[1])[0])
+    stacked = KVCache.zeros(target.cfg.replace(scan_layers=True), 2, 32)
+    assert not stacked.per_layer and stacked.resized(8).length == 8 and stacked.slot_row(1).num_slots == 1
+    with pytest.raises(ValueError, match="per-layer KV cache"):
+        step(target, stacked, [seq[:2], []], [0, 0], n_bucket=2, q_max=2)
+
+
 @pytest.mark.slow  # compiles several programs (tests/conftest.py, test tiers)
 def test_scan_layers_equals_unrolled(tiny_target):
     unrolled = tiny_target("qwen3", seed=5, num_layers=LAYERS)

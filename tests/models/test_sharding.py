@@ -79,7 +79,7 @@ SERVE_SCRIPT = textwrap.dedent("""
                      step_rates={4: 1.0, 8: 0.9, 12: 0.8, 16: 0.7}, mesh=mesh)
         w = eng.target.state["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
         assert len(w.sharding.device_set) == 8 and not w.sharding.is_fully_replicated
-        assert len(eng.st.cache.k.sharding.device_set) == 8
+        assert len(jax.tree.leaves(eng.st.cache)[0].sharding.device_set) == 8
         reqs = [eng.submit(p, sp) for p in prompts]
         eng.run()
         assert [r.tokens for r in reqs] == ref, policy
