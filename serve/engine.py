@@ -208,7 +208,7 @@ class Engine:
             # The target's cache is sized to the window (attention over a window of a longer
             # cache copies it every step), never below a prompt still being prefilled.
             prefilling = max((r.prefilled for r in self.running.values() if r.status == "prefilling"), default=0)
-            length = max(window or self.T, pick_window(self.windows, prefilling) or self.T)
+            length = max(window or self.T, self._cache_len(prefilling))
             self.st = self.st.replace(cache=self.st.cache.resized(length))
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
                                   self.sa, jnp.int32(self.cycles_per_step), self.sched,
@@ -227,6 +227,10 @@ class Engine:
         return st
 
     # ------------------------------------------------------------------ internals
+
+    def _cache_len(self, need: int) -> int:
+        """The cache length (a window, or T) that holds `need` positions."""
+        return pick_window(self.windows, need) or self.T
 
     def _admit(self):
         """Free slots take queued requests; every prefilling slot gets its next prompt chunk
@@ -258,8 +262,8 @@ class Engine:
             # The cache is sized to the decode window: grown here when this prompt needs more.
             # The chunk runs on its row cut to the prompt's own window (`prefill_one`).
             window = pick_window(self.windows, req.prefilled + n)
-            if cache.length < (window or self.T):
-                cache = cache.resized(window or self.T)
+            if cache.length < self._cache_len(req.prefilled + n):
+                cache = cache.resized(self._cache_len(req.prefilled + n))
             tokens = np.zeros(rows, np.int32)
             tokens[:n] = req.prompt_ids[req.prefilled: req.prefilled + n]
             logits[slot], cache, dcache = prefill_one(

@@ -67,9 +67,10 @@ class KVCache:
     def per_layer(self) -> bool:
         return isinstance(self.k, tuple)
 
-    def _first(self, which: str) -> jax.Array:
-        x = getattr(self, which)
-        return x[0] if self.per_layer else x
+    @property
+    def _k0(self) -> jax.Array:
+        """The first layer's keys (or the stacked keys): where the shapes are read."""
+        return self.k[0] if self.per_layer else self.k
 
     def map_arrays(self, f) -> KVCache:
         """f(array, is_key) applied to every array."""
@@ -83,11 +84,11 @@ class KVCache:
     # slot axis: -4 in every layout ([.., S, K, E, T], [.., S, K, T, E], [L, S, T, K, E])
     @property
     def num_slots(self) -> int:
-        return self._first("k").shape[-4]
+        return self._k0.shape[-4]
 
     @property
     def length(self) -> int:
-        return self._first("k").shape[self._time_axis(True)]
+        return self._k0.shape[self._time_axis(True)]
 
     @property
     def heads_axis(self) -> int:
