@@ -45,7 +45,7 @@ from flax import nnx, struct
 from dspark_jax.decoding.sampling import SamplingArrays
 from dspark_jax.decoding.scheduler import async_budget, bucket_index, schedule_lengths
 from dspark_jax.decoding.verification import verify
-from dspark_jax.models.transformer import KVCache, packed_layout
+from dspark_jax.models.transformer import KVCache, StepKV, packed_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,15 +256,40 @@ def _first_stop(tokens_SJ, limit_S, stop_ids_SM):
     return jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), J), jnp.any(is_stop, 1)
 
 
+@struct.dataclass
+class StepWrites:
+    """What a deferred bucket step leaves to write after `lax.switch`: the target's new keys
+    and values and the drafter's context append, padded to the largest bucket's tokens."""
+
+    kv: StepKV
+    feats: Any  # [N, F] or None (a drafter that reads no features)
+    slot: jax.Array  # [N]
+    pos: jax.Array  # [N]
+    keep: jax.Array  # [N] anchor + accepted drafts
+    tokens: jax.Array  # [N]
+
+    def apply(self, target, drafter, dparams, cache, dcache):
+        """→ (cache, dcache) with the step's writes; in place when the loop state is donated."""
+        cache = self.kv.write(cache)
+        if drafter is not None:
+            dcache = append_context(drafter, dparams, dcache, target, self.feats, self.slot, self.pos, self.keep,
+                                    self.tokens)
+        return cache, dcache
+
+
 def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok, d_logits,
-                  nv, active, *, num_tokens: int, q_max: int, kv_window: int | None = None):
+                  nv, active, *, num_tokens: int, q_max: int, kv_window: int | None = None,
+                  defer_to: int | None = None):
     """One packed target step at a static bucket of `num_tokens` tokens, then verification and
     the drafter's context append. → (accepted [S], emitted [S, K+1], cache, dcache).
 
     Every bucket variant has this signature, so `lax.switch` can pick one per cycle; only
     the chosen branch runs, so the step costs what its bucket costs. `q_max` = 1 is the
     variant without drafts (async skipped drafting): verification of zero drafts is
-    exactly sampling from the target."""
+    exactly sampling from the target. `defer_to` (under `lax.switch`: the largest bucket's
+    tokens): the caches are only read and the result is (accepted, emitted, `StepWrites`
+    padded to that many tokens) — a switch branch that updates a buffer makes XLA copy it
+    whole every step, so the writes happen once, after the switch."""
     S, K = d_tok.shape
     counts = jnp.where(active, 1 + nv, 0)
     lay = packed_layout(seq_len_S, counts, num_tokens, q_max)
@@ -272,15 +297,24 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
     tokens_N = grid_tok[lay.slot_N, jnp.clip(lay.j_N, 0, q_max - 1)]
     feature_layers = drafter.feature_layers if drafter is not None else ()
     logits_N, feats, cache = target(cache, tokens_N, seq_len_S, counts, q_max=q_max,
-                                    feature_layers=feature_layers, kv_window=kv_window)
+                                    feature_layers=feature_layers, kv_window=kv_window,
+                                    defer_write=defer_to is not None)
     # Back to the [S, Q] grid (empty cells read a clamped row; they are never used).
     tgt_logits = logits_N[jnp.minimum(lay.grid_idx_SQ, num_tokens - 1)]
     accepted, emitted = verify(verify_keys, d_tok[:, : q_max - 1], d_logits[:, : q_max - 1], tgt_logits,
                                jnp.minimum(nv, q_max - 1), sa)
     emitted = jnp.pad(emitted, ((0, 0), (0, K + 1 - q_max)), constant_values=-1)
     accepted = jnp.where(active, accepted, 0)
+    keep = lay.valid_N & (lay.j_N <= accepted[lay.slot_N])
+    if defer_to is not None:
+        n = defer_to - num_tokens
+
+        def pad(x):
+            return None if x is None else jnp.pad(x, ((0, n),) + ((0, 0),) * (x.ndim - 1))
+
+        return accepted, emitted, StepWrites(cache.padded(defer_to), pad(feats), pad(lay.slot_N), pad(lay.pos_N),
+                                             pad(keep), pad(tokens_N))
     if drafter is not None:
-        keep = lay.valid_N & (lay.j_N <= accepted[lay.slot_N])
         dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, keep, tokens_N)
     return accepted, emitted, cache, dcache
 
@@ -349,8 +383,9 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         nv = jnp.where(drafted, nv, 0)
         # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.
         sizes = (S, *buckets)
-        branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1, kv_window=W)] + [
-            functools.partial(verify_bucket, num_tokens=n, q_max=K + 1, kv_window=W) for n in buckets]
+        N = max(buckets)
+        branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1, kv_window=W, defer_to=N)] + [
+            functools.partial(verify_bucket, num_tokens=n, q_max=K + 1, kv_window=W, defer_to=N) for n in buckets]
         # A step that verifies no draft at all runs the one-query-per-slot variant: the same
         # target sample, without the [S, K+1] query grid of the drafting buckets.
         idx = jnp.where(drafted & (jnp.sum(nv) > 0), 1 + jnp.clip(u, 0, len(buckets) - 1), 0).astype(jnp.int32)
@@ -361,8 +396,9 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     ops = (st.cache, st.dcache, st.seq_len, st.anchor, sa, verify_keys, d_tok, d_logits, nv, active)
     if len(branches) == 1:
         accepted, emitted, cache, dcache = branches[0](target, drafter, dparams, *ops)
-    else:
-        accepted, emitted, cache, dcache = jax.lax.switch(idx, [run(i) for i in range(len(branches))], ops)
+    else:  # the branches only read the caches; their writes land here, once
+        accepted, emitted, writes = jax.lax.switch(idx, [run(i) for i in range(len(branches))], ops)
+        cache, dcache = writes.apply(target, drafter, dparams, st.cache, st.dcache)
     n_emit = accepted + 1
     stop_at, hit = _first_stop(emitted, n_emit, st.stop_ids)
     n_emit = jnp.minimum(jnp.where(hit, stop_at, n_emit), remaining)

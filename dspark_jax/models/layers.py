@@ -150,6 +150,42 @@ def attend_cached(q_SQHE, kt_SKET, v_SKTE, mask_SQT):
     return o.reshape(S, K, Q, I, E).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
 
 
+def attend_cached_and_new(q_SQHE, kt_SKET, v_SKTE, ctx_ST, k_SQKE, v_SQKE, new_SQQ):
+    """`attend_cached` over a cache that does not hold this step's tokens yet: each query
+    attends to its slot's cached positions allowed by `ctx_ST` plus the step's own keys and
+    values (the [S, Q] grid, `new_SQQ` [query, key] allowed), with one softmax over both parts
+    (max and sum merged, flash-style). The cache is only read — what lets a step run inside
+    `lax.switch` without XLA copying the whole cache (the write happens after the switch).
+    Fully masked rows give zeros."""
+    S, Q, H, E = q_SQHE.shape
+    K = kt_SKET.shape[1]
+    I = H // K
+    q = q_SQHE.reshape(S, Q, K, I, E).transpose(0, 2, 1, 3, 4).reshape(S, K, Q * I, E)
+    q = q.astype(jnp.float32) * (1.0 / math.sqrt(E))
+    fused = Q <= SMALL_Q and jax.default_backend() == "cpu"
+    if fused:
+        s1 = jnp.sum(q[..., None] * kt_SKET[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, T]
+    else:
+        s1 = jnp.einsum("skne,sket->sknt", q.astype(kt_SKET.dtype), kt_SKET, preferred_element_type=jnp.float32)
+    m1 = ctx_ST[:, None, None, :]
+    kn = k_SQKE.transpose(0, 2, 1, 3).astype(jnp.float32)  # [S, K, Q, E]
+    s2 = jnp.einsum("skne,skqe->sknq", q, kn)  # [S, K, Q·I, Q]
+    m2 = jnp.broadcast_to(new_SQQ[:, None, :, None, :], (S, 1, Q, I, Q)).reshape(S, 1, Q * I, Q)
+    s1 = jnp.where(m1, s1, -1e30)
+    s2 = jnp.where(m2, s2, -1e30)
+    mx = jnp.maximum(jnp.max(s1, -1, keepdims=True), jnp.max(s2, -1, keepdims=True))
+    p1 = jnp.where(m1, jnp.exp(s1 - mx), 0.0)
+    p2 = jnp.where(m2, jnp.exp(s2 - mx), 0.0)
+    den = jnp.sum(p1, -1, keepdims=True) + jnp.sum(p2, -1, keepdims=True)
+    if fused:
+        o = jnp.sum(p1[..., None] * v_SKTE[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, E]
+    else:
+        o = jnp.einsum("sknt,skte->skne", p1.astype(v_SKTE.dtype), v_SKTE, preferred_element_type=jnp.float32)
+    o = o + jnp.einsum("sknq,skqe->skne", p2, v_SQKE.transpose(0, 2, 1, 3).astype(jnp.float32))
+    o = (o / jnp.maximum(den, 1e-30)).astype(q_SQHE.dtype)
+    return o.reshape(S, K, Q, I, E).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
+
+
 class Attention(nnx.Module):
     """Q/K/V/O projections with optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3)."""
 

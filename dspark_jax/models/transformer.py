@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.models.layers import MLP, Attention, RMSNorm, attend_cached, param, rope_inv_freq
+from dspark_jax.models.layers import MLP, Attention, RMSNorm, attend_cached, attend_cached_and_new, param, rope_inv_freq
 
 
 @struct.dataclass
@@ -182,13 +182,57 @@ class DecoderLayer(nnx.Module):
         k, v = self.self_attn.project_kv(h, lay.pos_N, inv_freq)
         return q, k, v
 
-    def finish(self, x_ND, q_NHE, kt_SKET, v_SKTE, lay: PackedLayout, mask_SQT):
-        """Attention of the step's queries over the (already updated) cache, then the MLP."""
-        q_pad = jnp.concatenate([q_NHE, jnp.zeros_like(q_NHE[:1])], 0)
-        o_SQHE = attend_cached(q_pad[lay.grid_idx_SQ], kt_SKET, v_SKTE, mask_SQT)
+    def finish(self, x_ND, q_NHE, kt_SKET, v_SKTE, lay: PackedLayout, mask_SQT, new=None):
+        """Attention of the step's queries over the (already updated) cache, then the MLP.
+        `new` = (k [N, K, E], v [N, K, E], mask [S, Q, Q]): the cache does not hold this
+        step's tokens (a deferred write) and `mask_SQT` [S, T] allows each slot's context."""
+        grid = _grid(q_NHE, lay)
+        if new is None:
+            o_SQHE = attend_cached(grid, kt_SKET, v_SKTE, mask_SQT)
+        else:
+            k_N, v_N, new_SQQ = new
+            o_SQHE = attend_cached_and_new(grid, kt_SKET, v_SKTE, mask_SQT, _grid(k_N, lay), _grid(v_N, lay), new_SQQ)
         o = o_SQHE[lay.slot_N, jnp.minimum(lay.j_N, o_SQHE.shape[1] - 1)]
         x_ND = x_ND + self.self_attn.project_out(o)
         return x_ND + self.mlp(self.post_attention_layernorm(x_ND))
+
+
+def _grid(x_N, lay: PackedLayout):
+    """Packed rows [N, ...] → the [S, Q, ...] grid (empty cells read a zero row)."""
+    return jnp.concatenate([x_N, jnp.zeros_like(x_N[:1])], 0)[lay.grid_idx_SQ]
+
+
+@struct.dataclass
+class StepKV:
+    """A step's new keys and values, not yet in the cache (`Transformer(..., defer_write=N)`):
+    k, v [L, N, K, E] and where each packed token goes (`_write_index`: slot S = dropped)."""
+
+    k: jax.Array
+    v: jax.Array
+    slot: jax.Array  # [N + 1]
+    pos: jax.Array  # [N + 1]
+
+    def padded(self, num_tokens: int) -> StepKV:
+        """The same writes with `num_tokens` packed rows (the extra ones dropped), so that
+        steps of different sizes return one shape from `lax.switch`."""
+        n = num_tokens - self.k.shape[1]
+        rows = ((0, 0), (0, n), (0, 0), (0, 0))
+        S_drop = jnp.max(self.slot)  # the trailing dummy's slot is S: out of range
+        return StepKV(jnp.pad(self.k, rows), jnp.pad(self.v, rows),
+                      jnp.concatenate([self.slot, jnp.full((n,), S_drop, self.slot.dtype)]),
+                      jnp.concatenate([self.pos, jnp.zeros((n,), self.pos.dtype)]))
+
+    def write(self, cache: KVCache) -> KVCache:
+        """The cache with these keys and values scattered in (in place when donated)."""
+        if cache.per_layer:
+            ks, vs = list(cache.k), list(cache.v)
+            for i in range(len(ks)):
+                ks[i], vs[i] = _write_layer(ks[i], vs[i], None, self.slot, self.pos, self.k[i], self.v[i])
+            return cache.replace(k=tuple(ks), v=tuple(vs))
+        ks, vs = cache.k, cache.v
+        for i in range(ks.shape[0]):
+            ks, vs = _write_layer(ks, vs, i, self.slot, self.pos, self.k[i], self.v[i])
+        return cache.replace(k=ks, v=vs)
 
 
 def _write_index(lay: PackedLayout, num_slots: int):
@@ -256,7 +300,8 @@ class Transformer(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, cache: KVCache, tokens_N, starts_S, counts_S, *, q_max: int,
-                 logits_idx=None, feature_layers: tuple[int, ...] = (), kv_window: int | None = None):
+                 logits_idx=None, feature_layers: tuple[int, ...] = (), kv_window: int | None = None,
+                 defer_write: bool = False):
         """Packed step. Returns (logits [M, V] fp32, features [N, n·D] or None, new cache).
 
         `logits_idx` [M] selects which packed tokens get logits (None = all N); prefill
@@ -264,6 +309,11 @@ class Transformer(nnx.Module):
         `kv_window` (static, ≤ T): attention reads only the first `kv_window` cache positions,
         so a step costs what the used context costs, not the allocated cache. The caller
         guarantees every query position of the step lies below it.
+        `defer_write`: the cache is only read (each query attends to its slot's positions
+        before `starts` in the cache plus the step's own tokens) and the third result is the
+        step's `StepKV` instead of the updated cache, to `write` later. Inside `lax.switch` a
+        branch that updates a buffer makes XLA copy that buffer whole, in every branch, every
+        step (the confidence schedulers' bucket switch copied the whole KV cache twice a step).
         """
         cfg = self.cfg
         if not cache.heads_major:
@@ -272,7 +322,12 @@ class Transformer(nnx.Module):
         T = cache.length
         W = T if kv_window is None else min(int(kv_window), T)
         lay = packed_layout(starts_S, counts_S, N, q_max)
-        mask = (jnp.arange(W)[None, None, :] <= lay.grid_pos_SQ[..., None]) & lay.grid_valid_SQ[..., None]
+        if defer_write:
+            mask = jnp.arange(W)[None, :] < starts_S[:, None]  # [S, W]: the committed context
+            q = jnp.arange(q_max)
+            new_mask = (q[None, :] <= q[:, None])[None] & lay.grid_valid_SQ[:, None, :]  # [S, Q, Q]
+        else:
+            mask = (jnp.arange(W)[None, None, :] <= lay.grid_pos_SQ[..., None]) & lay.grid_valid_SQ[..., None]
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         x = self.embed(tokens_N)
         taps = {-1: x} if -1 in feature_layers else {}
@@ -289,29 +344,39 @@ class Transformer(nnx.Module):
                 x, ks, vs, i = carry
                 layer = nnx.merge(gdef, st)
                 q, k, v = layer.qkv(x, lay, inv_freq)
-                ks, vs = _write_layer(ks, vs, i, ws, wp, k, v)
+                if not defer_write:
+                    ks, vs = _write_layer(ks, vs, i, ws, wp, k, v)
                 k_w = jax.lax.dynamic_index_in_dim(ks, i, 0, keepdims=False)[..., :W]
                 v_w = jax.lax.dynamic_index_in_dim(vs, i, 0, keepdims=False)[:, :, :W]
-                x = layer.finish(x, q, k_w, v_w, lay, mask)
-                return (x, ks, vs, i + 1), (x if feature_layers else None)
+                x = layer.finish(x, q, k_w, v_w, lay, mask, (k, v, new_mask) if defer_write else None)
+                return (x, ks, vs, i + 1), (x if feature_layers else None, k if defer_write else None,
+                                            v if defer_write else None)
 
-            (x, ks, vs, _), hs = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), lstate)
-            cache = cache.replace(k=ks, v=vs)
+            (x, ks, vs, _), (hs, new_k, new_v) = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), lstate)
+            cache = StepKV(new_k, new_v, ws, wp) if defer_write else cache.replace(k=ks, v=vs)
             taps.update({i: hs[i] for i in feature_layers if i >= 0})
         else:
             if not cache.per_layer:
                 raise ValueError("unrolled layers take a per-layer KV cache: make it with KVCache.zeros")
             ks, vs = list(cache.k), list(cache.v)
+            new_k, new_v = [], []
             for i, layer in enumerate(self.layers):
                 q, k, v = layer.qkv(x, lay, inv_freq)
-                ks[i], vs[i] = _write_layer(ks[i], vs[i], None, ws, wp, k, v)
+                if defer_write:
+                    new_k.append(k)
+                    new_v.append(v)
+                else:
+                    ks[i], vs[i] = _write_layer(ks[i], vs[i], None, ws, wp, k, v)
                 # W < T copies the window out (on CPU); the decode loops size the cache to it.
                 k_w = ks[i] if W == T else ks[i][..., :W]
                 v_w = vs[i] if W == T else vs[i][:, :, :W]
-                x = layer.finish(x, q, k_w, v_w, lay, mask)
+                x = layer.finish(x, q, k_w, v_w, lay, mask, (k, v, new_mask) if defer_write else None)
                 if i in feature_layers:
                     taps[i] = x
-            cache = cache.replace(k=tuple(ks), v=tuple(vs))
+            if defer_write:
+                cache = StepKV(jnp.stack(new_k), jnp.stack(new_v), ws, wp)
+            else:
+                cache = cache.replace(k=tuple(ks), v=tuple(vs))
         feats = jnp.concatenate([taps[i] for i in feature_layers], -1) if feature_layers else None
         h = x if logits_idx is None else x[logits_idx]
         return self.unembed(h), feats, cache

@@ -6,20 +6,27 @@
   autoregressive decoding; the step-rate table is an argument (a new table compiles
   nothing); the table decides which compiled bucket runs (cheap big buckets → the largest,
   expensive ones → small); async skips the drafter when not drafting is faster, and
-  stops trusting a drafter whose confidences overclaim.
+  stops trusting a drafter whose confidences overclaim; the compiled bucket switch copies no
+  cache (its branches only read the caches).
 Runtime: ~40 s on a shared 2-core CPU, mostly compiles (five bucket variants per loop).
 """
 
 import dataclasses
+import functools
 import json
 import os
+import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from spec_helpers import sharpen
 
 import dspark_jax as ds
+from dspark_jax.decoding.decode_loop import GenState, LoopSettings, SchedArrays, decode_loop
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
+from dspark_jax.decoding.sampling import SamplingArrays
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafters import Drafter, OracleDrafter
 
@@ -165,3 +172,39 @@ def test_errors(tiny):
         ds.generate(t, prompts, drafter=tiny["drafter"], policy="threshold", threshold=2.0)
     with pytest.raises(ValueError, match="need one of at least 8"):
         ds.generate(t, prompts, drafter=tiny["drafter"], policy="dspark", step_rates={4: 1.0}, num_draft=K)
+
+
+def _copied_shapes(hlo: str) -> set[str]:
+    """Shapes of the whole-buffer copies in an optimized HLO module's text."""
+    return set(re.findall(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(", hlo))
+
+
+def _hlo_shape(x) -> str:
+    return f"{jnp.dtype(x.dtype).name.replace('float', 'f')}[{','.join(map(str, x.shape))}]"
+
+
+def test_the_bucket_switch_never_copies_the_caches(tiny):
+    """XLA copies a buffer whole when a `lax.switch` branch updates it — every step, for the
+    KV caches of the scheduled policies' bucket switch (measured on SmolLM2: two copies of the
+    whole target cache per step). The branches therefore only read the caches and the step's
+    writes land after the switch: the compiled loop holds no copy of any cache buffer. The
+    control (a switch whose branches write a buffer) shows the probe sees such copies."""
+    target, drafter = tiny["target"], tiny["drafter"]
+    st = GenState.create(target.cfg, drafter, drafter.params, slots=S, cache_len=64, out_len=32, num_draft=K,
+                         active=np.ones(S, bool), max_new=np.full(S, MAX_NEW))
+    sa = SamplingArrays.from_params([greedy()] * S)
+    sched = SchedArrays.make(np.linspace(4.0, 1.0, len(BUCKETS)), 5.0)
+    for policy in ("async", "sync"):
+        settings = LoopSettings(num_draft=K, policy=policy, buckets=BUCKETS)
+        hlo = decode_loop.lower(target.graphdef, target.state, drafter, drafter.params, st, sa, jnp.int32(4), sched,
+                                settings=settings).compile().as_text()
+        caches = {_hlo_shape(x) for x in jax.tree.leaves((st.cache, st.dcache))}
+        assert caches and not caches & _copied_shapes(hlo), (policy, caches & _copied_shapes(hlo))
+
+    buf = jnp.zeros((8, 2, 16, 64))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def control(x, i):
+        return jax.lax.switch(i, [lambda: x.at[0, 0, 0, i].set(1.0), lambda: x.at[1, 0, 0, i].set(2.0)])
+
+    assert _hlo_shape(buf) in _copied_shapes(control.lower(buf, jnp.int32(0)).compile().as_text())

@@ -5,6 +5,7 @@ the slot cache, so each must reproduce the full causal forward. Tolerance 1e-5 m
 logits of std ~2-3: the paths differ only in float32 summation order (observed ~1e-6).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -208,3 +209,35 @@ def test_jit_equals_eager(tiny_target):
     cache = KVCache.zeros(target.cfg, 1, T)
     eager, _, _ = model(cache, jnp.asarray(seq), jnp.zeros(1, jnp.int32), jnp.full(1, T, jnp.int32), q_max=T)
     np.testing.assert_allclose(np.asarray(eager), full(target, seq), rtol=0, atol=ATOL)
+
+
+def test_deferred_write_equals_writing_first(tiny_target):
+    """`defer_write` (the scheduled policies' bucket switch): the step reads the cache only —
+    each query sees its slot's context before `starts` plus the step's own tokens — and its
+    `StepKV`, padded to a larger bucket and written afterwards, leaves the same cache as the
+    in-place step; the logits agree. Stale entries past a slot's start (rejected drafts) must
+    not be read. Both cache forms (unrolled: per layer; scanned: stacked)."""
+    unrolled = tiny_target("qwen3", seed=8, num_layers=LAYERS)
+    seq_a, seq_b = ids(T, 70), ids(T, 71)
+
+    def run(target, defer: bool):
+        model = target.module()
+        cache = KVCache.zeros(target.cfg, 3, 32)
+        _, cache = step(target, cache, [seq_a[:9], [], seq_b[:6]], [0, 0, 0], n_bucket=16, q_max=16)
+        drafts = np.concatenate([seq_a[9:10], (seq_a[10:13] + 1) % V])
+        _, cache = step(target, cache, [drafts, [], seq_b[6:9]], [9, 0, 6], n_bucket=8, q_max=4)
+        # Slot 0 rejected its last 3 drafts (start 10); slot 2 continues at 9; slot 1 is idle.
+        toks = np.zeros(8, np.int32)
+        toks[:5] = np.concatenate([seq_a[10:13], seq_b[9:11]])
+        args = (cache, jnp.asarray(toks), jnp.asarray([10, 0, 9], jnp.int32), jnp.asarray([3, 0, 2], jnp.int32))
+        logits, _, out = model(*args, q_max=4, defer_write=defer)
+        return np.asarray(logits[:5]), out.padded(12).write(cache) if defer else out
+
+    ref_a, ref_b = full(unrolled, seq_a), full(unrolled, seq_b)
+    for target in (unrolled, _stack_into_scan(unrolled)):
+        want, want_cache = run(target, False)
+        got, got_cache = run(target, True)
+        np.testing.assert_allclose(want, np.concatenate([ref_a[10:13], ref_b[9:11]]), rtol=0, atol=ATOL)
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+        for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=ATOL)
