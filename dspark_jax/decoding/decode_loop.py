@@ -235,12 +235,19 @@ def window_cache(dcache, kv_window: int | None):
     return dcache.window(kv_window)
 
 
-def append_context(drafter, dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N):
+def append_context(drafter, dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N, *, rows=False):
     """The drafter's `append`, with the committed tokens for a drafter that reads them
-    (`reads_tokens`, e.g. prompt lookup) and without for one that reads features only."""
-    if drafter.reads_tokens:
-        return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=tokens_N)
-    return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N)
+    (`reads_tokens`, e.g. prompt lookup) and without for one that reads features only.
+    `rows`: `feats_NF` are `context_rows` already (`split_append`) and `append_rows` writes them."""
+    kw = {"tokens_N": tokens_N} if drafter.reads_tokens else {}
+    if rows:
+        return drafter.append_rows(dparams, dcache, feats_NF, slot_N, pos_N, valid_N, **kw)
+    return drafter.append(dparams, dcache, target, feats_NF, slot_N, pos_N, valid_N, **kw)
+
+
+def split_append(drafter) -> bool:
+    """Whether the drafter's append splits into `context_rows` + `append_rows` (DrafterProtocol)."""
+    return hasattr(drafter, "context_rows") and hasattr(drafter, "append_rows")
 
 
 def fold_keys(keys, data):
@@ -262,7 +269,7 @@ class StepWrites:
     and values and the drafter's context append, padded to the largest bucket's tokens."""
 
     kv: StepKV
-    feats: Any  # [N, F] or None (a drafter that reads no features)
+    feats: Any  # the drafter's `context_rows` [N, ...] (`split_append`), else features [N, F] or None
     slot: jax.Array  # [N]
     pos: jax.Array  # [N]
     keep: jax.Array  # [N] anchor + accepted drafts
@@ -273,7 +280,7 @@ class StepWrites:
         cache = self.kv.write(cache)
         if drafter is not None:
             dcache = append_context(drafter, dparams, dcache, target, self.feats, self.slot, self.pos, self.keep,
-                                    self.tokens)
+                                    self.tokens, rows=split_append(drafter))
         return cache, dcache
 
 
@@ -309,10 +316,13 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
     if defer_to is not None:
         n = defer_to - num_tokens
 
-        def pad(x):
-            return None if x is None else jnp.pad(x, ((0, n),) + ((0, 0),) * (x.ndim - 1))
+        def pad(x):  # [N, ...] → [defer_to, ...]
+            return jnp.pad(x, ((0, n),) + ((0, 0),) * (x.ndim - 1))
 
-        return accepted, emitted, StepWrites(cache.padded(defer_to), pad(feats), pad(lay.slot_N), pad(lay.pos_N),
+        if drafter is not None and split_append(drafter):  # computed at this bucket's size, not the largest
+            feats = drafter.context_rows(dparams, target, feats, lay.pos_N)
+        feats = jax.tree.map(pad, feats)
+        return accepted, emitted, StepWrites(cache.padded(defer_to), feats, pad(lay.slot_N), pad(lay.pos_N),
                                              pad(keep), pad(tokens_N))
     if drafter is not None:
         dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, keep, tokens_N)

@@ -42,6 +42,14 @@ class DrafterProtocol(Protocol):
     [S, G], draft logits [S, G, V] after the request's sampling transform — or one-hot for a
     deterministic proposal — and survival confidences [S, G]). Equality and hashing are
     the jit cache key: a drafter is a static argument.
+
+    Optional, both or neither: `context_rows(params, target, feats_NF, pos_N)` (what `append`
+    computes per token before it writes, e.g. projected keys and values: a pytree of
+    [N, ...] arrays) and
+    `append_rows(params, cache, rows, slot_N, pos_N, valid_N, **kw)` (the write), so that
+    `append` = `append_rows(context_rows(...))`. The scheduled policies compute the rows
+    inside their bucket's branch (at that bucket's size) and write after the switch; a
+    drafter without them gets its features padded to the largest bucket instead.
     """
 
     block_size: int
@@ -149,14 +157,22 @@ class Drafter:
     def take_slots(self, cache: KVCache, idx) -> KVCache:
         return cache.take(idx)
 
-    def append(self, params, cache: KVCache, target, feats_NF, slot_N, pos_N, valid_N) -> KVCache:
-        d = nnx.merge(self.graphdef, params)
-        ks, vs = d.context_kv(feats_NF, pos_N)
+    def context_rows(self, params, target, feats_NF, pos_N):
+        """The committed tokens' context keys and values, k, v [N, L, K, E]."""
+        ks, vs = nnx.merge(self.graphdef, params).context_kv(feats_NF, pos_N)
+        return jnp.stack(ks, 1), jnp.stack(vs, 1)
+
+    def append_rows(self, params, cache: KVCache, rows, slot_N, pos_N, valid_N) -> KVCache:
+        k_NL, v_NL = rows
         S = cache.k.shape[1]
         ws = jnp.where(valid_N, slot_N, S)  # invalid → out of range → dropped
-        k = cache.k.at[:, ws, pos_N].set(jnp.stack(ks).astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[:, ws, pos_N].set(jnp.stack(vs).astype(cache.v.dtype), mode="drop")
+        k = cache.k.at[:, ws, pos_N].set(k_NL.swapaxes(0, 1).astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, ws, pos_N].set(v_NL.swapaxes(0, 1).astype(cache.v.dtype), mode="drop")
         return KVCache(k, v)
+
+    def append(self, params, cache: KVCache, target, feats_NF, slot_N, pos_N, valid_N) -> KVCache:
+        return self.append_rows(params, cache, self.context_rows(params, target, feats_NF, pos_N), slot_N, pos_N,
+                                valid_N)
 
     def draft(self, params, cache: KVCache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays,
               *, use_scan: bool = True, with_logits: bool = True, raw_confidence: bool = False):

@@ -190,9 +190,16 @@ class HybridDrafter:
         return (self.drafter.take_slots(kv, idx), self.ngram.take_slots(buf, idx))
 
     def append(self, params, cache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=None):
+        return self.append_rows(params, cache, self.context_rows(params, target, feats_NF, pos_N), slot_N, pos_N,
+                                valid_N, tokens_N=tokens_N)
+
+    def context_rows(self, params, target, feats_NF, pos_N):
+        return self.drafter.context_rows(params, target, feats_NF, pos_N)
+
+    def append_rows(self, params, cache, rows, slot_N, pos_N, valid_N, tokens_N=None):
         kv, buf = cache
-        return (self.drafter.append(params, kv, target, feats_NF, slot_N, pos_N, valid_N),
-                self.ngram.append(None, buf, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=tokens_N))
+        return (self.drafter.append_rows(params, kv, rows, slot_N, pos_N, valid_N),
+                self.ngram.append(None, buf, None, None, slot_N, pos_N, valid_N, tokens_N=tokens_N))
 
     def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays, **kw):
         kv, buf = cache
