@@ -230,7 +230,7 @@ def test_deferred_write_equals_writing_first(tiny_target):
         toks = np.zeros(8, np.int32)
         toks[:5] = np.concatenate([seq_a[10:13], seq_b[9:11]])
         args = (cache, jnp.asarray(toks), jnp.asarray([10, 0, 9], jnp.int32), jnp.asarray([3, 0, 2], jnp.int32))
-        logits, _, out = model(*args, q_max=4, defer_write=defer)
+        logits, _, out = nnx.jit(lambda m, *a: m(*a, q_max=4, defer_write=defer))(model, *args)
         return np.asarray(logits[:5]), out.padded(12).write(cache) if defer else out
 
     ref_a, ref_b = full(unrolled, seq_a), full(unrolled, seq_b)
