@@ -246,8 +246,12 @@ def append_context(drafter, dparams, dcache, target, feats_NF, slot_N, pos_N, va
 
 
 def split_append(drafter) -> bool:
-    """Whether the drafter's append splits into `context_rows` + `append_rows` (DrafterProtocol)."""
-    return hasattr(drafter, "context_rows") and hasattr(drafter, "append_rows")
+    """Whether the drafter's append splits into `context_rows` + `append_rows` (DrafterProtocol);
+    a wrapper (a `.drafter` inside, e.g. `HybridDrafter`) splits when the drafter it wraps does."""
+    if not (hasattr(drafter, "context_rows") and hasattr(drafter, "append_rows")):
+        return False
+    inner = getattr(drafter, "drafter", None)
+    return inner is None or split_append(inner)
 
 
 def fold_keys(keys, data):
@@ -394,6 +398,8 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.
         sizes = (S, *buckets)
         N = max(buckets)
+        if N < S:
+            raise ValueError(f"the largest bucket ({N} tokens) must hold every slot's anchor ({S} slots)")
         branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1, kv_window=W, defer_to=N)] + [
             functools.partial(verify_bucket, num_tokens=n, q_max=K + 1, kv_window=W, defer_to=N) for n in buckets]
         # A step that verifies no draft at all runs the one-query-per-slot variant: the same

@@ -167,9 +167,12 @@ def attend_cached_and_new(q_SQHE, kt_SKET, v_SKTE, ctx_ST, k_SQKE, v_SQKE, new_S
         s1 = jnp.sum(q[..., None] * kt_SKET[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, T]
     else:
         s1 = jnp.einsum("skne,sket->sknt", q.astype(kt_SKET.dtype), kt_SKET, preferred_element_type=jnp.float32)
+    # The step's own keys and values in the cache's precision, as if written there first.
+    dt = jnp.float32 if fused else kt_SKET.dtype
+    kn = k_SQKE.astype(kt_SKET.dtype).transpose(0, 2, 1, 3).astype(dt)  # [S, K, Q, E]
+    vn = v_SQKE.astype(v_SKTE.dtype).transpose(0, 2, 1, 3).astype(dt)
     m1 = ctx_ST[:, None, None, :]
-    kn = k_SQKE.transpose(0, 2, 1, 3).astype(jnp.float32)  # [S, K, Q, E]
-    s2 = jnp.einsum("skne,skqe->sknq", q, kn)  # [S, K, Q·I, Q]
+    s2 = jnp.einsum("skne,skqe->sknq", q.astype(dt), kn, preferred_element_type=jnp.float32)  # [S, K, Q·I, Q]
     m2 = jnp.broadcast_to(new_SQQ[:, None, :, None, :], (S, 1, Q, I, Q)).reshape(S, 1, Q * I, Q)
     s1 = jnp.where(m1, s1, -1e30)
     s2 = jnp.where(m2, s2, -1e30)
@@ -181,7 +184,7 @@ def attend_cached_and_new(q_SQHE, kt_SKET, v_SKTE, ctx_ST, k_SQKE, v_SQKE, new_S
         o = jnp.sum(p1[..., None] * v_SKTE[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, E]
     else:
         o = jnp.einsum("sknt,skte->skne", p1.astype(v_SKTE.dtype), v_SKTE, preferred_element_type=jnp.float32)
-    o = o + jnp.einsum("sknq,skqe->skne", p2, v_SQKE.transpose(0, 2, 1, 3).astype(jnp.float32))
+    o = o + jnp.einsum("sknq,skqe->skne", p2.astype(dt), vn, preferred_element_type=jnp.float32)
     o = (o / jnp.maximum(den, 1e-30)).astype(q_SQHE.dtype)
     return o.reshape(S, K, Q, I, E).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
 

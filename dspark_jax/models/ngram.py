@@ -190,9 +190,11 @@ class HybridDrafter:
         return (self.drafter.take_slots(kv, idx), self.ngram.take_slots(buf, idx))
 
     def append(self, params, cache, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=None):
-        return self.append_rows(params, cache, self.context_rows(params, target, feats_NF, pos_N), slot_N, pos_N,
-                                valid_N, tokens_N=tokens_N)
+        kv, buf = cache
+        return (self.drafter.append(params, kv, target, feats_NF, slot_N, pos_N, valid_N),
+                self.ngram.append(None, buf, target, feats_NF, slot_N, pos_N, valid_N, tokens_N=tokens_N))
 
+    # The split append (DrafterProtocol), used when the wrapped drafter has one (`split_append`).
     def context_rows(self, params, target, feats_NF, pos_N):
         return self.drafter.context_rows(params, target, feats_NF, pos_N)
 

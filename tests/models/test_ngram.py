@@ -163,6 +163,9 @@ def test_hybrid_greedy_matches_autoregressive(tiny, min_match):
     hyb = HybridDrafter(_random_dspark(tiny["target"], 4), min_match=min_match)
     out = ds.generate(tiny["target"], tiny["prompts"], drafter=hyb, sampling=tiny["sp"], policy="fixed")
     assert out.token_ids == tiny["ar"]
+    # The scheduled policies write the hybrid's two caches after their bucket switch (split append).
+    sched = ds.generate(tiny["target"], tiny["prompts"], drafter=hyb, sampling=tiny["sp"], policy="threshold")
+    assert sched.token_ids == tiny["ar"]
     # A random DSpark drafter is almost never accepted: what is accepted came from lookup,
     # which the hybrid uses only on long matches.
     alone = ds.generate(tiny["target"], tiny["prompts"], drafter=_random_dspark(tiny["target"], 4),
