@@ -1,7 +1,8 @@
 """A workdir's training data as one compact, committable file, and back.
 
     python -m train.tokens pack WORKDIR FILE.npz     # data/train + data/heldout → FILE.npz
-    python -m train.tokens unpack FILE.npz WORKDIR   # → WORKDIR/data/{train,heldout} + token counts
+    python -m train.tokens unpack FILE.npz [MORE.npz ...] WORKDIR
+                                                     # → WORKDIR/data/{train,heldout} + token counts
 
 Regeneration is the slow part of the data stage (the target answers every prompt); what it
 produces is ~2 bytes a token. Packing lets a run on another machine, or a later session,
@@ -31,9 +32,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("pack", help="WORKDIR's data shards → one .npz")
     p.add_argument("workdir")
     p.add_argument("file")
-    u = sub.add_parser("unpack", help="a packed .npz → WORKDIR's data shards and token counts")
-    u.add_argument("file")
-    u.add_argument("workdir")
+    u = sub.add_parser("unpack", help="packed .npz files → WORKDIR's data shards and token counts")
+    u.add_argument("paths", nargs="+", metavar="FILE.npz ... WORKDIR",
+                   help="one or more archives, then the workdir; the shards of the second and later "
+                        "archives are named after the archive (ARCHIVE-shard-…)")
     u.add_argument("--vocab-size", type=int, default=0,
                    help="the target's vocabulary size for data/token_counts.npy (default: the one stored by pack)")
     a = ap.parse_args(argv)
@@ -46,15 +48,25 @@ def main(argv=None) -> int:
             print(f"packed {got['sequences']} sequences ({got['tokens']} tokens, {got['shards']} shards) "
                   f"into {a.file} ({os.path.getsize(a.file) / 1e6:.1f} MB)", file=sys.stderr)
         else:
-            if not os.path.isfile(a.file):
-                raise FileNotFoundError(f"no packed data at {a.file!r}")
-            got = records.unpack(a.file, _dirs(a.workdir))
-            train_dir = _dirs(a.workdir)["train"]
-            vocab = a.vocab_size or got["vocab_size"] or int(np.load(a.file)["tokens"].max()) + 1
-            counts = records.token_counts(train_dir, vocab)
-            np.save(os.path.join(a.workdir, "data", "token_counts.npy"), counts)
-            print(f"unpacked {got['sequences']} sequences ({got['shards_written']} shards written) into "
-                  f"{a.workdir}/data; {int(counts.sum())} supervised tokens", file=sys.stderr)
+            if len(a.paths) < 2:
+                ap.error("unpack needs at least one archive and the workdir")
+            files, workdir = a.paths[:-1], a.paths[-1]
+            for f in files:
+                if not os.path.isfile(f):
+                    raise FileNotFoundError(f"no packed data at {f!r}")
+            stems = [os.path.splitext(os.path.basename(f))[0] for f in files]
+            if len(set(stems)) != len(stems):
+                raise ValueError(f"archives with the same name would share shard names: {files}")
+            stored = []
+            for i, f in enumerate(files):
+                got = records.unpack(f, _dirs(workdir), prefix="" if i == 0 else stems[i] + "-")
+                stored.append(got["vocab_size"] or int(np.load(f)["tokens"].max()) + 1)
+                print(f"unpacked {got['sequences']} sequences of {f} ({got['shards_written']} shards written)",
+                      file=sys.stderr)
+            vocab = a.vocab_size or max(stored)
+            counts = records.token_counts(_dirs(workdir)["train"], vocab)
+            np.save(os.path.join(workdir, "data", "token_counts.npy"), counts)
+            print(f"{workdir}/data: {int(counts.sum())} supervised tokens", file=sys.stderr)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -114,9 +114,11 @@ def pack(directories: dict[str, str], path: str, vocab_size: int = 0) -> dict:
     return {"sequences": len(lens), "tokens": int(flat.size), "shards": len(shard_names)}
 
 
-def unpack(path: str, directories: dict[str, str]) -> dict:
+def unpack(path: str, directories: dict[str, str], prefix: str = "") -> dict:
     """Recreates the shards `pack` stored, into `{split: directory}`; existing shards are kept
-    (so unpacking into a workdir that holds some of them resumes)."""
+    (so unpacking into a workdir that holds some of them resumes). `prefix` is put before
+    every shard name: archives packed from different workdirs share names
+    (`shard-00000.array_record`), and a second one unpacked without it would be skipped."""
     z = np.load(path)
     tokens, lens, plen = z["tokens"].astype(np.int32), z["lengths"], z["prompt_lengths"]
     if int(lens.sum()) != tokens.size or int(z["shard_sizes"].sum()) != lens.size:
@@ -127,7 +129,7 @@ def unpack(path: str, directories: dict[str, str]) -> dict:
         split = str(split)
         if split not in directories:
             raise ValueError(f"{path} holds split {split!r}; give a directory for it (have {sorted(directories)})")
-        out = os.path.join(directories[split], str(name))
+        out = os.path.join(directories[split], prefix + str(name))
         rows = range(seq, seq + int(size))
         seq += int(size)
         if os.path.exists(out):

@@ -223,3 +223,28 @@ def test_warm_start_remaps_the_head_columns_to_a_new_draft_vocabulary():
                                   np.stack([w2[:, 5], 0 * w2[:, 0], w2[:, 0], 0 * w2[:, 0], w2[:, 1], 0 * w2[:, 0]], 1))
     np.testing.assert_array_equal(np.asarray(out["head"]["w1"]), params["head"]["w1"])
     np.testing.assert_array_equal(np.asarray(out["fc"]["kernel"]), params["fc"]["kernel"])
+
+
+def test_unpacking_two_archives_keeps_both(tmp_path):
+    """Archives packed from different workdirs share shard names; `train.tokens unpack A B WORKDIR`
+    names the second one's shards after it, so nothing is skipped, and counts tokens over both."""
+    import numpy as np
+
+    from train import tokens
+
+    rng = np.random.default_rng(1)
+    archives = []
+    for k in range(2):
+        src = {"train": str(tmp_path / f"w{k}" / "train")}
+        os.makedirs(src["train"])
+        recs = [records.encode(rng.integers(0, 100, 6), [0, 0, 1, 1, 1, 1]) for _ in range(2 + k)]
+        records.write_shard(os.path.join(src["train"], "shard-00000.array_record"), recs)
+        archives.append(str(tmp_path / f"data-{k}.npz"))
+        records.pack(src, archives[-1], vocab_size=100)
+    out = tmp_path / "both"
+    assert tokens.main(["unpack", *archives, str(out)]) == 0
+    names = sorted(os.path.basename(p) for p in records.shard_paths(str(out / "data" / "train")))
+    assert names == ["data-1-shard-00000.array_record", "shard-00000.array_record"]
+    assert len(records.read_all(str(out / "data" / "train"))) == 5
+    assert np.load(out / "data" / "token_counts.npy").sum() == 5 * 4
+    assert tokens.main(["unpack", archives[0], archives[0], str(out)]) == 2  # same name twice: refused
