@@ -211,12 +211,13 @@ def test_jit_equals_eager(tiny_target):
     np.testing.assert_allclose(np.asarray(eager), full(target, seq), rtol=0, atol=ATOL)
 
 
-def test_deferred_write_equals_writing_first(tiny_target):
+@pytest.mark.parametrize("scanned", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_deferred_write_equals_writing_first(tiny_target, scanned):
     """`defer_write` (the scheduled policies' bucket switch): the step reads the cache only —
     each query sees its slot's context before `starts` plus the step's own tokens — and its
     `StepKV`, padded to a larger bucket and written afterwards, leaves the same cache as the
     in-place step; the logits agree. Stale entries past a slot's start (rejected drafts) must
-    not be read. Both cache forms (unrolled: per layer; scanned: stacked)."""
+    not be read. Both cache forms (unrolled: per layer; scanned: stacked, in the slow tier)."""
     unrolled = tiny_target("qwen3", seed=8, num_layers=LAYERS)
     seq_a, seq_b = ids(T, 70), ids(T, 71)
 
@@ -234,10 +235,10 @@ def test_deferred_write_equals_writing_first(tiny_target):
         return np.asarray(logits[:5]), out.padded(12).write(cache) if defer else out
 
     ref_a, ref_b = full(unrolled, seq_a), full(unrolled, seq_b)
-    for target in (unrolled, _stack_into_scan(unrolled)):
-        want, want_cache = run(target, False)
-        got, got_cache = run(target, True)
-        np.testing.assert_allclose(want, np.concatenate([ref_a[10:13], ref_b[9:11]]), rtol=0, atol=ATOL)
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
-        for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=ATOL)
+    target = _stack_into_scan(unrolled) if scanned else unrolled
+    want, want_cache = run(target, False)
+    got, got_cache = run(target, True)
+    np.testing.assert_allclose(want, np.concatenate([ref_a[10:13], ref_b[9:11]]), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=ATOL)
