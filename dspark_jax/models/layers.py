@@ -116,6 +116,21 @@ def attend(q_SQHE, k_STKE, v_STKE, mask_SQT):
 SMALL_Q = 16
 
 
+def _cached_scores(q_SQHE, kt_SKET):
+    """The queries as Q·I rows per KV head (fp32, scaled) [S, K, Q·I, E], their scores against
+    the heads-major keys [S, K, Q·I, T] in fp32, and whether the CPU multiply-reduce form ran."""
+    S, Q, H, E = q_SQHE.shape
+    K = kt_SKET.shape[1]
+    q = q_SQHE.reshape(S, Q, K, H // K, E).transpose(0, 2, 1, 3, 4).reshape(S, K, Q * (H // K), E)
+    q = q.astype(jnp.float32) * (1.0 / math.sqrt(E))
+    fused = Q <= SMALL_Q and jax.default_backend() == "cpu"
+    if fused:
+        s = jnp.sum(q[..., None] * kt_SKET[:, :, None].astype(jnp.float32), axis=-2)
+    else:
+        s = jnp.einsum("skne,sket->sknt", q.astype(kt_SKET.dtype), kt_SKET, preferred_element_type=jnp.float32)
+    return q, s, fused
+
+
 def attend_cached(q_SQHE, kt_SKET, v_SKTE, mask_SQT):
     """Grouped-query attention over a heads-major cache (keys transposed, `KVCache`); scores
     and softmax in fp32, fully masked rows give zeros. Same result as `attend` on the
@@ -131,13 +146,7 @@ def attend_cached(q_SQHE, kt_SKET, v_SKTE, mask_SQT):
     K = kt_SKET.shape[1]
     I = H // K
     T = kt_SKET.shape[-1]
-    q = q_SQHE.reshape(S, Q, K, I, E).transpose(0, 2, 1, 3, 4).reshape(S, K, Q * I, E)
-    q = q.astype(jnp.float32) * (1.0 / math.sqrt(E))
-    fused = Q <= SMALL_Q and jax.default_backend() == "cpu"
-    if fused:
-        s = jnp.sum(q[..., None] * kt_SKET[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, T]
-    else:
-        s = jnp.einsum("skne,sket->sknt", q.astype(kt_SKET.dtype), kt_SKET, preferred_element_type=jnp.float32)
+    q, s, fused = _cached_scores(q_SQHE, kt_SKET)
     m = jnp.broadcast_to(mask_SQT[:, None, :, None, :], (S, 1, Q, I, T)).reshape(S, 1, Q * I, T)
     s = jnp.where(m, s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
@@ -160,13 +169,7 @@ def attend_cached_and_new(q_SQHE, kt_SKET, v_SKTE, ctx_ST, k_SQKE, v_SQKE, new_S
     S, Q, H, E = q_SQHE.shape
     K = kt_SKET.shape[1]
     I = H // K
-    q = q_SQHE.reshape(S, Q, K, I, E).transpose(0, 2, 1, 3, 4).reshape(S, K, Q * I, E)
-    q = q.astype(jnp.float32) * (1.0 / math.sqrt(E))
-    fused = Q <= SMALL_Q and jax.default_backend() == "cpu"
-    if fused:
-        s1 = jnp.sum(q[..., None] * kt_SKET[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, T]
-    else:
-        s1 = jnp.einsum("skne,sket->sknt", q.astype(kt_SKET.dtype), kt_SKET, preferred_element_type=jnp.float32)
+    q, s1, fused = _cached_scores(q_SQHE, kt_SKET)
     # The step's own keys and values in the cache's precision, as if written there first.
     dt = jnp.float32 if fused else kt_SKET.dtype
     kn = k_SQKE.astype(kt_SKET.dtype).transpose(0, 2, 1, 3).astype(dt)  # [S, K, Q, E]
