@@ -115,6 +115,7 @@ def main():
     ap.add_argument("--no-regret", action="store_true", help="also async with an untrained drafter")
     ap.add_argument("--plot", default="benchmarks/results/concurrency.png")
     ap.add_argument("--json", default="benchmarks/results/concurrency.json")
+    ap.add_argument("--weight-dtype", default=None, help="bfloat16: the target's weights in bf16, float32 arithmetic")
     ap.add_argument("--scan-layers", action="store_true",
                     help="target layers under lax.scan (faster compile; the stacked cache costs a copy per step)")
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from the results in --json")
@@ -125,7 +126,7 @@ def main():
         return plot(saved["results"], args.plot, 7, saved["hardware"])
     # Unrolled layers by default: each layer's cache is its own buffer (no per-step copy of a
     # stacked cache); `--scan-layers` compiles the scheduled policies' bucket switch faster.
-    target = ds.load_target("smollm2-135m", scan_layers=args.scan_layers)
+    target = ds.load_target("smollm2-135m", scan_layers=args.scan_layers, weight_dtype=args.weight_dtype)
     drafter = ds.load_drafter(args.drafter, target)
     if args.draft_topk is not None:
         drafter = Drafter(drafter.cfg.replace(draft_topk=args.draft_topk), drafter.graphdef, drafter.state)
@@ -136,7 +137,7 @@ def main():
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     untrained = Drafter.random(drafter.cfg, seed=1) if args.no_regret else None
     layers = "scanned" if args.scan_layers else "unrolled"
-    print(f"# Concurrency sweep, SmolLM2-135M fp32 greedy (layers {layers}), drafter {args.drafter} "
+    print(f"# Concurrency sweep, SmolLM2-135M fp32{' (bf16 weights)' if args.weight_dtype else ''} greedy (layers {layers}), drafter {args.drafter} "
           f"(γ = {gamma}, top-k bias {drafter.cfg.draft_topk}) — {hardware()}")
     print(f"# held-out ShareGPT prompts ≤ {args.max_prompt_tokens} tokens, {args.new_tokens} new tokens, "
           f"{args.repeats} timed run(s) per cell\n# before: {machine_load()}\n", flush=True)

@@ -79,6 +79,9 @@ class ModelConfig:
     family: str = "llama"
     dtype: str = "float32"  # activation / parameter dtype: float32 on CPU, bfloat16 on TPU/GPU
     scan_layers: bool = False  # lax.scan over stacked layers (faster compile) vs unrolled (faster on CPU)
+    # Weights stored narrower than `dtype` ("bfloat16" under float32 activations: half the
+    # memory and traffic, float32 arithmetic; see layers.narrow_weight_dot). None: `dtype`.
+    weight_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -89,6 +92,9 @@ class ModelConfig:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weight_dtype not in (None, self.dtype) and (self.weight_dtype, self.dtype) != ("bfloat16", "float32"):
+            raise ValueError(f"weight_dtype must be None, the dtype ({self.dtype!r}) or 'bfloat16' under float32 "
+                             f"activations, got {self.weight_dtype!r}")
 
     @property
     def jnp_dtype(self):

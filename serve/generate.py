@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop", action="append", default=[],
                     help="stop string (repeatable); output ends just before it (default: none)")
     ap.add_argument("--dtype", default=None, help="float32 (default; right on CPU) or bfloat16 (TPU/GPU)")
+    ap.add_argument("--weight-dtype", default=None, help="bfloat16: weights stored in bf16 under float32 arithmetic (half the memory; on CPUs with AMX / AVX512-BF16 multi-token steps cost about what one does)")
     ap.add_argument("--scan-layers", action="store_true",
                     help="lax.scan over layers: faster compile, slower decoding on CPU (default: off, unrolled)")
     ap.add_argument("--no-compile-cache", action="store_true",
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
             jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         t0 = time.perf_counter()
-        target = ds.load_target(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
+        target = ds.load_target(args.model, dtype=args.dtype, scan_layers=args.scan_layers,
+                                weight_dtype=args.weight_dtype)
         drafter = ds.load_drafter(args.drafter, target) if args.drafter else None
         t_load = time.perf_counter() - t0
         policy = args.policy if drafter is not None else None

@@ -366,6 +366,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     policy = settings.policy
     W = settings.kv_window
     drafted = jnp.bool_(K > 0)
+    foreseen = jnp.zeros((S,), bool)
     if K == 0 or policy == "fixed":
         d_tok, d_logits, conf = draft() if K > 0 else no_draft()
         nv = caps
@@ -382,6 +383,12 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
             # much and delivers nothing is switched off after a failed try, and re-tried as
             # the evidence fades.
             pred = (st.acc_w + settings.calib_prior * st.prev_conf) / (st.reach_w + settings.calib_prior)
+            if hasattr(drafter, "foresight"):
+                # Confidences a drafter knows before drafting, from the committed context alone
+                # (prompt lookup: whether and how long the context matches): those rows are
+                # budgeted by them, and they do not count as the trained drafter's evidence.
+                f_conf, foreseen = drafter.foresight(window_cache(st.dcache, W), st.anchor, st.seq_len)
+                pred = jnp.where(foreseen[:, None], f_conf[:, :K].astype(jnp.float32), pred)
             u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate)
             drafted = u >= 0
             d_tok, d_logits, conf = jax.lax.cond(drafted, draft, no_draft)
@@ -429,6 +436,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     reached_now = act & (j < nv[:, None]) & (j <= accepted[:, None])
     accepted_now = act & (j < accepted[:, None])
     lam = jnp.where(act, settings.calib_decay, 1.0)
+    learn = act & ~foreseen[:, None]  # the online calibration's evidence: the trained drafter's cycles
     return st.replace(
         cache=cache,
         dcache=dcache,
@@ -442,9 +450,9 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         reached=st.reached + reached_now,
         accepted_at=st.accepted_at + accepted_now,
         verified=st.verified + jnp.where(active, nv, 0),
-        prev_conf=jnp.where(act & drafted, conf, st.prev_conf),
-        acc_w=lam * st.acc_w + accepted_now,
-        reach_w=lam * st.reach_w + reached_now,
+        prev_conf=jnp.where(learn & drafted, conf, st.prev_conf),
+        acc_w=lam * st.acc_w + (learn & accepted_now),
+        reach_w=lam * st.reach_w + (learn & reached_now),
         steps=st.steps + any_active,
         drafted_steps=st.drafted_steps + (any_active & drafted),
         budget_sum=st.budget_sum + jnp.sum(jnp.where(active, 1 + nv, 0)),

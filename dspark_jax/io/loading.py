@@ -51,11 +51,18 @@ def _materialize(cfg: ModelConfig, source, tied: bool) -> tuple:
     return graphdef, state
 
 
-def load_target(name_or_path: str, *, dtype: str | None = None, scan_layers: bool = False) -> Target:
+def load_target(name_or_path: str, *, dtype: str | None = None, scan_layers: bool = False,
+                weight_dtype: str | None = None) -> Target:
     """Loads a target: `"smollm2-135m"`, an HF model directory, or a `.gguf` file.
 
     dtype defaults to float32 (the right choice on CPU); pass "bfloat16" on TPU/GPU.
+    weight_dtype="bfloat16" under float32 stores the weights in bf16 and keeps float32
+    arithmetic (`Target.with_weight_dtype`): the model becomes the float32 model with
+    bf16-rounded weights, and on a CPU with AMX / AVX512-BF16 a step of many tokens costs
+    about what one does (see BENCHMARKS.md, "bf16 weights on the CPU").
     """
+    if weight_dtype is not None:
+        return load_target(name_or_path, dtype=dtype, scan_layers=scan_layers).with_weight_dtype(weight_dtype)
     overrides = {"scan_layers": scan_layers, "dtype": dtype or "float32"}
     path = embedded_path(name_or_path) if name_or_path in EMBEDDED else name_or_path
     if not os.path.exists(path):

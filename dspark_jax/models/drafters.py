@@ -50,6 +50,11 @@ class DrafterProtocol(Protocol):
     `append` = `append_rows(context_rows(...))`. The scheduled policies compute the rows
     inside their bucket's branch (at that bucket's size) and write after the switch; a
     drafter without them gets its features padded to the largest bucket instead.
+
+    Optional: `foresight(cache, anchor_S, anchor_pos_S)` → (confidences [S, G], known [S]):
+    the confidences of this cycle's block, where they follow from the committed context
+    alone (prompt lookup's match). The async scheduler budgets the known rows by them
+    instead of by earlier cycles, and keeps its online calibration for the others.
     """
 
     block_size: int

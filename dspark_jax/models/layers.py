@@ -43,18 +43,60 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def narrow_weight_dot(x, w_OI):
+    """x [..., I] (float32) @ w_OI.T for weights stored narrower (bfloat16) as [O, I].
+
+    Exact in the activations: x = hi + mid + lo, three bfloat16 terms (exact for normal
+    float32 values), each term's products with the weights accumulated in float32 — the
+    float32 product of x and the bf16-rounded weights, up to summation order. Rounding x
+    itself to bfloat16 (the TPU convention) would make the result depend on 1-ulp
+    differences in x, which break greedy identity between a speculative and an
+    autoregressive step at near-ties. The three terms are stacked as rows of one matmul: on a
+    CPU with AMX / AVX512-BF16, bf16 rows cost nearly nothing up to a few dozen (the weights'
+    memory traffic dominates), and the [O, I] layout is the one its kernels read without
+    repacking. The result has x's dtype."""
+    lead, din = x.shape[:-1], x.shape[-1]
+    x_MI = x.reshape(-1, din).astype(jnp.float32)
+    parts, rest = [], x_MI
+    for _ in range(3):
+        p = rest.astype(w_OI.dtype)
+        parts.append(p)
+        rest = rest - p.astype(jnp.float32)
+    m = x_MI.shape[0]
+    y = jnp.einsum("mi,oi->mo", jnp.concatenate(parts), w_OI, preferred_element_type=jnp.float32)
+    y = y[2 * m:] + y[m: 2 * m] + y[:m]  # smallest terms first
+    return y.reshape(*lead, w_OI.shape[0]).astype(x.dtype)
+
+
 class Linear(nnx.Module):
-    """y = x @ W (+ b). The kernel is stored (in, out)."""
+    """y = x @ W (+ b). The kernel is stored (in, out), or — after `narrow_weights` — as
+    narrower (bfloat16) weights (out, in), multiplied by `narrow_weight_dot`."""
+
+    kernel_layout = "io"
 
     def __init__(self, din, dout, axes, *, rngs, dtype, bias=False):
         self.kernel = param(rngs, (din, dout), axes, dtype)
         self.bias = param(None, (dout,), axes[1:], dtype, init="zeros") if bias else None
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        if self.kernel_layout == "oi":
+            y = narrow_weight_dot(x, self.kernel[...])
+        else:
+            y = x @ self.kernel[...]
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+    def narrow(self, dtype):
+        """Stores the kernel as `dtype` in the (out, in) layout (see `narrow_weight_dot`)."""
+        if self.kernel_layout == "oi":
+            return
+        k = self.kernel
+        axes = tuple(k.get_metadata().get("axes", ()))
+        if len(axes) >= 2:
+            axes = (*axes[:-2], axes[-1], axes[-2])
+        self.kernel = nnx.Param(jnp.swapaxes(k[...], -1, -2).astype(dtype), axes=axes)
+        self.kernel_layout = "oi"
 
 
 # --------------------------------------------------------------------------- RoPE

@@ -12,9 +12,9 @@ DSpark drafter, so it is lossless by the same rules:
   deterministic function of the context), so rejection sampling accepts it with probability
   p_target(token) and resamples from the residual otherwise — exactly the target;
 - its confidences are a per-position prior indexed by the match length (longer matches
-  continue more often), which the async scheduler then calibrates online per request
-  against the acceptances it observes. Positions past what the context can continue get
-  confidence 0 (and token 0).
+  continue more often); they follow from the committed context alone, so the async
+  scheduler reads them before drafting (`foresight`) and budgets each cycle by its own
+  match. Positions past what the context can continue get confidence 0 (and token 0).
 
 Shape letters (docs/architecture.md): S slots, T cache length, G block size γ, N packed tokens, V vocab, J the
 positions j = 0 .. max_ngram−1 back from the anchor.
@@ -33,8 +33,8 @@ from dspark_jax.sampling_transform import SamplingArrays
 # P(draft k survives | its prefix did), by match length 0 .. 4+ (0 = no match: nothing to
 # draft), pooled over k: greedy lookup replayed on SmolLM2's greedy answers to 32 held-out
 # ShareGPT prompts (`python -m benchmarks.bench_ngram_prior`; BENCHMARKS.md, "Prompt
-# lookup"; lengths 2 and 3 pooled: 213 cycles). The async scheduler recalibrates them online
-# per request.
+# lookup"; lengths 2 and 3 pooled: 213 cycles). The async scheduler budgets each cycle by
+# them (`foresight`: the match is known before drafting).
 DEFAULT_CONFIDENCE = (0.0, 0.37, 0.70, 0.70, 0.95)
 
 
@@ -116,21 +116,32 @@ class NgramDrafter:
         tok = jnp.where(known & (tok >= 0), tok, 0)
         return tok, n, known & (tok >= 0)
 
+    def foresight(self, cache, anchor_S, anchor_pos_S):
+        """(confidences [S, G], known [S]) before drafting (DrafterProtocol, optional): the
+        block's prior confidences follow from the committed context alone, so the async
+        scheduler budgets a cycle by this cycle's match rather than by earlier cycles."""
+        found = self.lookup(cache, anchor_S, anchor_pos_S)
+        return self.block_confidence(found), jnp.ones_like(found[1], bool)  # no match: confidence 0
+
     def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays, **_):
         """→ (tokens [S, G], one-hot draft logits [S, G, V], confidences [S, G])."""
         return self.block(self.lookup(cache, anchor_S, anchor_pos_S), target)
 
     def block(self, found, target):
         """The draft block of a `lookup` result: tokens, one-hot logits, prior confidences."""
-        tok, n, known = found
+        tok = found[0]
+        V = self.vocab_size or target.cfg.vocab_size
+        logits = jnp.where(jax.nn.one_hot(tok, V, dtype=jnp.bool_), 0.0, -jnp.inf)
+        return tok, logits, self.block_confidence(found)
+
+    def block_confidence(self, found):
+        """[S, G] prior confidences of a `lookup` result, by match length."""
+        _, n, known = found
         table = jnp.asarray(self.confidence, jnp.float32)
         c = table[jnp.minimum(n, table.shape[0] - 1)]
         # Survival needs the whole prefix: after the first unknown position, nothing survives.
         known = jnp.cumprod(known.astype(jnp.int32), 1) > 0
-        conf = jnp.where(known, c[:, None], 0.0)
-        V = self.vocab_size or target.cfg.vocab_size
-        logits = jnp.where(jax.nn.one_hot(tok, V, dtype=jnp.bool_), 0.0, -jnp.inf)
-        return tok, logits, conf
+        return jnp.where(known, c[:, None], 0.0)
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: a static jit argument
@@ -202,6 +213,12 @@ class HybridDrafter:
         kv, buf = cache
         return (self.drafter.append_rows(params, kv, rows, slot_N, pos_N, valid_N),
                 self.ngram.append(None, buf, None, None, slot_N, pos_N, valid_N, tokens_N=tokens_N))
+
+    def foresight(self, cache, anchor_S, anchor_pos_S):
+        """The lookup's confidences on the rows whose block will be the lookup's (see
+        `NgramDrafter.foresight`); the trained drafter's rows are left to the scheduler."""
+        found = self.ngram.lookup(cache[1], anchor_S, anchor_pos_S)
+        return self.ngram.block_confidence(found), found[1] >= self.min_match
 
     def draft(self, params, cache, target, anchor_S, anchor_pos_S, keys_S, sa: SamplingArrays, **kw):
         kv, buf = cache

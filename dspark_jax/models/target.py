@@ -24,9 +24,24 @@ class Target:
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, tokenizer=None, name="random") -> Target:
-        model = Transformer(cfg, rngs=nnx.Rngs(seed))
+        model = Transformer(cfg.replace(weight_dtype=None), rngs=nnx.Rngs(seed))
         graphdef, state = nnx.split(model)
-        return cls(cfg, graphdef, state, tokenizer, name)
+        return cls(cfg.replace(weight_dtype=None), graphdef, state, tokenizer, name).with_weight_dtype(cfg.weight_dtype)
+
+    def with_weight_dtype(self, weight_dtype: str | None) -> Target:
+        """This target with its matmul weights stored as `weight_dtype` ("bfloat16" under
+        float32 activations; see `Transformer.narrow_weights`). None or the activation dtype:
+        itself."""
+        if weight_dtype in (None, self.cfg.dtype, self.cfg.weight_dtype):
+            return self
+        if self.cfg.weight_dtype not in (None, self.cfg.dtype):
+            raise ValueError(f"the weights are already {self.cfg.weight_dtype}")
+        cfg = self.cfg.replace(weight_dtype=weight_dtype)  # validates the pair
+        model = self.module()
+        model.narrow_weights(jnp.dtype(weight_dtype))
+        model.cfg = cfg
+        graphdef, state = nnx.split(model)
+        return dataclasses.replace(self, cfg=cfg, graphdef=graphdef, state=state)
 
     @classmethod
     def abstract(cls, cfg: ModelConfig):

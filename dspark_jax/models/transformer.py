@@ -25,7 +25,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.models.layers import MLP, Attention, RMSNorm, attend_cached, attend_cached_and_new, param, rope_inv_freq
+from dspark_jax.models.layers import (
+    MLP, Attention, Linear, RMSNorm, attend_cached, attend_cached_and_new, narrow_weight_dot, param, rope_inv_freq,
+)
 
 
 @struct.dataclass
@@ -284,19 +286,41 @@ class Transformer(nnx.Module):
             else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
         )
 
+    lm_head_layout = "dv"
+
+    def narrow_weights(self, dtype):
+        """Stores every matmul weight (projections, embedding, LM head) as `dtype` — bfloat16
+        under float32 activations: `layers.narrow_weight_dot` multiplies them exactly in the
+        activations, so the model computes as the float32 model with bf16-rounded weights."""
+        for _, m in nnx.iter_graph(self):
+            if isinstance(m, Linear):
+                m.narrow(dtype)
+        emb = self.embed_tokens
+        self.embed_tokens = nnx.Param(emb[...].astype(dtype), axes=tuple(emb.get_metadata()["axes"]))
+        if self.lm_head is not None and self.lm_head_layout == "dv":
+            self.lm_head = nnx.Param(self.lm_head[...].T.astype(dtype), axes=("vocab", "embed"))
+            self.lm_head_layout = "vd"
+
     # The drafter shares these two (frozen) with the target.
     def embed(self, tokens):
-        return self.embed_tokens[...][tokens]
+        return self.embed_tokens[...][tokens].astype(self.cfg.jnp_dtype)
 
     def lm_head_matrix(self):
         """[D, V]."""
-        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        if self.lm_head is None:
+            return self.embed_tokens[...].T
+        return self.lm_head[...].T if self.lm_head_layout == "vd" else self.lm_head[...]
 
     def unembed(self, h_ND):
         """Final norm + LM head, logits in fp32."""
         h = self.norm(h_ND)
         if self.lm_head is None:  # tied: contract with the [V, D] embedding as stored (no transposed copy)
-            return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...], preferred_element_type=jnp.float32)
+            emb = self.embed_tokens[...]
+            if emb.dtype != h.dtype:
+                return narrow_weight_dot(h, emb).astype(jnp.float32)
+            return jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
+        if self.lm_head_layout == "vd":
+            return narrow_weight_dot(h, self.lm_head[...]).astype(jnp.float32)
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, cache: KVCache, tokens_N, starts_S, counts_S, *, q_max: int,

@@ -166,11 +166,34 @@ def test_hybrid_greedy_matches_autoregressive(tiny, min_match):
     # The scheduled policies write the hybrid's two caches after their bucket switch (split append).
     sched = ds.generate(tiny["target"], tiny["prompts"], drafter=hyb, sampling=tiny["sp"], policy="threshold")
     assert sched.token_ids == tiny["ar"]
+    # The async scheduler budgets the lookup's rows by this cycle's match (`foresight`).
+    sched = ds.generate(tiny["target"], tiny["prompts"], drafter=hyb, sampling=tiny["sp"], policy="dspark")
+    assert sched.token_ids == tiny["ar"]
     # A random DSpark drafter is almost never accepted: what is accepted came from lookup,
     # which the hybrid uses only on long matches.
     alone = ds.generate(tiny["target"], tiny["prompts"], drafter=_random_dspark(tiny["target"], 4),
                         sampling=tiny["sp"], policy="fixed")
     assert out.stats["tau"] > alone.stats["tau"]
+
+
+def test_foresight_is_the_blocks_own_confidence(tiny):
+    """What the async scheduler reads before drafting is the confidence the block then has:
+    the lookup's prior by match length (0 where nothing matches), known for every row; for
+    the hybrid, known exactly on the rows whose block will be the lookup's."""
+    target = tiny["target"]
+    ng = NgramDrafter(block_size=4).bind(target)
+    rng = np.random.default_rng(3)
+    buf = jnp.asarray(rng.integers(0, 4, (4, 24)), jnp.int32)  # a small alphabet: matches of every length
+    anchor, pos = jnp.asarray(rng.integers(0, 4, 4), jnp.int32), jnp.asarray([0, 5, 12, 20], jnp.int32)
+    conf, known = ng.foresight(buf, anchor, pos)
+    _, _, drafted = ng.draft(None, buf, target, anchor, pos, None, None)
+    assert bool(known.all()) and np.array_equal(np.asarray(conf), np.asarray(drafted))
+    assert float(conf[0].max()) == 0.0 and float(conf[1:].min(initial=1.0)) >= 0.0 and float(conf.max()) > 0.5
+    hyb = HybridDrafter(_random_dspark(target, 4), min_match=2).bind(target)
+    n = np.asarray(ng.lookup(buf, anchor, pos)[1])
+    h_conf, h_known = hyb.foresight((None, buf), anchor, pos)
+    assert np.array_equal(np.asarray(h_known), n >= 2) and (n >= 2).any() and not (n >= 2).all()
+    np.testing.assert_array_equal(np.asarray(h_conf)[n >= 2], np.asarray(conf)[n >= 2])
 
 
 def test_hybrid_refuses_mismatched_blocks(tiny):

@@ -1,0 +1,107 @@
+"""bf16 weights under float32 activations (`load_target(weight_dtype="bfloat16")`).
+
+The narrowed target must compute as the float32 target whose matmul weights were rounded to
+bf16 — float32 arithmetic on the activations, only the summation order differs — so every
+decoding path keeps greedy identity with autoregressive decoding, as in float32.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dspark_jax as ds
+from dspark_jax.models.layers import narrow_weight_dot
+
+ATOL = 1e-5  # as tests/models/test_cache.py: float32 summation order only
+
+
+def rounded_f32(target: ds.Target) -> ds.Target:
+    """The float32 target with every matmul weight (not the norms) rounded to bf16."""
+    out = []
+    for path, var in nnx.to_flat_state(target.state):
+        v = var[...]
+        if path[-1] in ("kernel", "embed_tokens", "lm_head"):
+            v = v.astype(jnp.bfloat16).astype(jnp.float32)
+        out.append((path, var.replace(v)))
+    return ds.Target(target.cfg, target.graphdef, nnx.from_flat_state(out), target.tokenizer)
+
+
+def test_narrow_weight_dot_is_float32_exact_in_the_activations():
+    rng = np.random.default_rng(0)
+    # Activations over many magnitudes (as residual streams have), weights at bf16.
+    x = (rng.standard_normal((5, 3, 96)) * np.exp(rng.uniform(-6, 6, (5, 3, 96)))).astype(np.float32)
+    w_OI = jnp.asarray(rng.standard_normal((40, 96)) * 0.1, jnp.bfloat16)
+    exact = np.einsum("mqi,oi->mqo", x.astype(np.float64), np.asarray(w_OI.astype(jnp.float32), np.float64))
+    got = np.asarray(narrow_weight_dot(jnp.asarray(x), w_OI))
+    assert got.shape == (5, 3, 40) and got.dtype == np.float32
+    scale = np.abs(x).max() * 0.1 * np.sqrt(96)
+    err = np.abs(got - exact).max() / scale
+    # Rounding the activations to bf16 (the TPU convention) is ~1e-3 off; the split is float32-exact.
+    naive = np.einsum("mqi,oi->mqo", np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32),
+                                                 np.float64), np.asarray(w_OI.astype(jnp.float32), np.float64))
+    assert err < 1e-6 < np.abs(naive - exact).max() / scale / 100
+    # One row (a batch-1 decode step) goes through the same kernel.
+    np.testing.assert_allclose(np.asarray(narrow_weight_dot(jnp.asarray(x[:1, :1]), w_OI)), got[:1, :1],
+                               rtol=0, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # tied embedding / untied LM head + biases
+def test_narrowed_target_is_the_float32_target_with_rounded_weights(tiny_target, family):
+    f32 = tiny_target(family, seed=3, num_layers=2)
+    narrow = f32.with_weight_dtype("bfloat16")
+    assert narrow.cfg.weight_dtype == "bfloat16" and f32.cfg.weight_dtype is None
+    dtypes = {"/".join(map(str, p)): v[...].dtype for p, v in nnx.to_flat_state(narrow.state)}
+    assert all(d == jnp.bfloat16 for k, d in dtypes.items() if k.endswith(("kernel", "embed_tokens", "lm_head")))
+    assert all(d == jnp.float32 for k, d in dtypes.items() if "norm" in k or k.endswith("bias"))
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t.state))  # noqa: E731
+    assert nbytes(narrow) < 0.55 * nbytes(f32)
+    seq = np.random.default_rng(1).integers(0, 128, 16)
+    ref = np.asarray(ds.logits(rounded_f32(f32), seq))
+    got = np.asarray(ds.logits(narrow, seq))
+    assert np.abs(ref - np.asarray(ds.logits(f32, seq))).max() > 100 * ATOL  # the rounding shows ...
+    np.testing.assert_allclose(got, ref, rtol=0, atol=ATOL)  # ... and nothing else does
+    assert narrow.with_weight_dtype("bfloat16") is narrow and f32.with_weight_dtype(None) is f32
+
+
+def test_narrowed_scanned_target_equals_unrolled(tiny_target):
+    unrolled = tiny_target("qwen3", seed=2, num_layers=2)
+    cfg = unrolled.cfg.replace(scan_layers=True)
+    graphdef, abstract = ds.Target.abstract(cfg)
+    src = dict(nnx.to_flat_state(unrolled.state))
+    stacked = [(p, v.replace(jnp.stack([src[("layers", i) + p[1:]][...] for i in range(2)]) if p[0] == "layers"
+                             else src[p][...])) for p, v in nnx.to_flat_state(abstract)]
+    scanned = ds.Target(cfg, graphdef, nnx.from_flat_state(stacked)).with_weight_dtype("bfloat16")
+    unrolled = unrolled.with_weight_dtype("bfloat16")
+    seq = np.arange(12) % 128
+    np.testing.assert_allclose(np.asarray(ds.logits(scanned, seq)), np.asarray(ds.logits(unrolled, seq)),
+                               rtol=0, atol=ATOL)
+    # A config that asks for bf16 weights gets them from Target.random too.
+    assert ds.Target.random(cfg.replace(weight_dtype="bfloat16")).cfg.weight_dtype == "bfloat16"
+
+
+def test_narrowed_target_decodes_speculatively_as_autoregressively(tiny_target):
+    """Greedy identity on the narrowed target, every policy (the steps verify 1 … γ+1 rows
+    per request: the narrowed matmul must not depend on the row count beyond float32)."""
+    target = tiny_target("llama", seed=4, num_layers=2).with_weight_dtype("bfloat16")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (3, 9, 5)]
+    # A repetitive prompt, so prompt lookup drafts long accepted blocks.
+    prompts.append([7, 8, 9, 10] * 4)
+    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    ar = ds.generate(target, prompts, sampling=sp).token_ids
+    ngram = ds.NgramDrafter(block_size=4)
+    for policy in ("fixed", "dspark", "threshold"):
+        out = ds.generate(target, prompts, drafter=ngram, sampling=sp, policy=policy)
+        assert out.token_ids == ar, policy
+        if policy == "fixed":
+            assert out.stats["tau"] > 1.3  # drafts of several tokens were verified and accepted
+
+
+def test_weight_dtype_is_validated():
+    with pytest.raises(ValueError, match="weight_dtype"):
+        ds.ModelConfig.tiny(weight_dtype="float16")
+    with pytest.raises(ValueError, match="weight_dtype"):
+        ds.ModelConfig.tiny(dtype="bfloat16", weight_dtype="float32")
+    assert ds.ModelConfig.tiny(dtype="bfloat16", weight_dtype="bfloat16").weight_dtype == "bfloat16"
