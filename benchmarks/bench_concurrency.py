@@ -137,7 +137,8 @@ def main():
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     untrained = Drafter.random(drafter.cfg, seed=1) if args.no_regret else None
     layers = "scanned" if args.scan_layers else "unrolled"
-    print(f"# Concurrency sweep, SmolLM2-135M fp32{' (bf16 weights)' if args.weight_dtype else ''} greedy (layers {layers}), drafter {args.drafter} "
+    weights = " (bf16 weights)" if args.weight_dtype else ""
+    print(f"# Concurrency sweep, SmolLM2-135M fp32{weights} greedy (layers {layers}), drafter {args.drafter} "
           f"(γ = {gamma}, top-k bias {drafter.cfg.draft_topk}) — {hardware()}")
     print(f"# held-out ShareGPT prompts ≤ {args.max_prompt_tokens} tokens, {args.new_tokens} new tokens, "
           f"{args.repeats} timed run(s) per cell\n# before: {machine_load()}\n", flush=True)

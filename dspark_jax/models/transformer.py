@@ -26,7 +26,15 @@ from flax import nnx, struct
 
 from dspark_jax.config import ModelConfig
 from dspark_jax.models.layers import (
-    MLP, Attention, Linear, RMSNorm, attend_cached, attend_cached_and_new, narrow_weight_dot, param, rope_inv_freq,
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    attend_cached,
+    attend_cached_and_new,
+    narrow_weight_dot,
+    param,
+    rope_inv_freq,
 )
 
 
