@@ -27,6 +27,7 @@ def recorded(monkeypatch):
     def generate(target, prompts, **kw):
         # The first call is the requested run; a second one is the autoregressive rerun that
         # measures the speedup (with a drafter), recorded separately.
+        calls["n_generate"] = calls.get("n_generate", 0) + 1
         if "drafter" not in kw:
             calls["rerun_kw"] = kw
         else:
@@ -99,6 +100,18 @@ def test_num_draft_without_drafter_is_an_error(recorded, capsys):
     assert e.value.code == 2
     assert "--num-draft needs a drafter" in capsys.readouterr().err
     assert "load_target" not in recorded
+
+
+def test_runs_repeat_both_measurements_and_are_checked(recorded, monkeypatch, capsys):
+    from dspark_jax.io import drafter_io
+
+    monkeypatch.setattr(drafter_io, "inspect_drafter", lambda path: ("ours", {}))
+    assert cli.main(["hi", "--drafter", "/", "--runs", "3", "--no-compile-cache"]) == 0
+    assert recorded["n_generate"] == 6  # three speculative runs, three autoregressive reruns
+    assert "run 3 of 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["hi", "--runs", "0"])
+    assert e.value.code == 2 and "--runs must be at least 1" in capsys.readouterr().err
 
 
 def test_bad_drafter_fails_before_the_target_loads(recorded, tmp_path, capsys):
