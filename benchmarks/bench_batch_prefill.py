@@ -36,13 +36,16 @@ def main(argv=None):
     ap.add_argument("--batched-up-to", type=int, default=1 << 30,
                     help="run the batched program only up to this many requests (it grows with R²)")
     ap.add_argument("--hf", action="store_true", help="add HF transformers' batched generate (parity extra)")
+    ap.add_argument("--weight-dtype", default=None, help="bfloat16: our target's weights in bf16, float32 arithmetic")
+    ap.add_argument("--hf-dtype", default="float32", help="HF's torch dtype (float32 | bfloat16)")
     args = ap.parse_args(argv)
-    target = ds.load_target("smollm2-135m")
-    hf = HFGenerate(args.new_tokens) if args.hf else None
+    target = ds.load_target("smollm2-135m", weight_dtype=args.weight_dtype)
+    hf = HFGenerate(args.new_tokens, dtype=args.hf_dtype) if args.hf else None
     rs = [int(x) for x in args.requests.split(",")]
     prompts = [[{"role": "user", "content": p}] for p in eval_prompts("gsm8k", 200 + max(rs))[200:]]
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    print(f"# {hardware()}; {machine_load()} at start")
+    print(f"# {hardware()}; {machine_load()} at start; our weights {args.weight_dtype or 'float32'}, "
+          f"HF {args.hf_dtype if args.hf else '-'}")
     rows, raw, one = [], {}, {}
     for R in rs:
         ps = prompts[:R]
@@ -82,7 +85,7 @@ def main(argv=None):
 class HFGenerate:
     """HF transformers' batched greedy `generate` on the embedded GGUF: (prefill s, decode s)."""
 
-    def __init__(self, new_tokens: int, threads: int = 2):
+    def __init__(self, new_tokens: int, threads: int = 2, dtype: str = "float32"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,7 +94,7 @@ class HFGenerate:
         torch.set_num_threads(threads)
         d, f = os.path.split(embedded_path("smollm2-135m"))
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
         self.tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
