@@ -21,7 +21,7 @@ def recorded(monkeypatch):
         name = "fake"
 
     def load_target(*a, **kw):
-        calls["load_target"] = True
+        calls["load_target"] = kw
         return FakeTarget()
 
     def generate(target, prompts, **kw):
@@ -102,12 +102,13 @@ def test_num_draft_without_drafter_is_an_error(recorded, capsys):
     assert "load_target" not in recorded
 
 
-def test_runs_repeat_both_measurements_and_are_checked(recorded, monkeypatch, capsys):
+def test_runs_repeat_both_measurements_and_weight_dtype_reaches_the_loader(recorded, monkeypatch, capsys):
     from dspark_jax.io import drafter_io
 
     monkeypatch.setattr(drafter_io, "inspect_drafter", lambda path: ("ours", {}))
-    assert cli.main(["hi", "--drafter", "/", "--runs", "3", "--no-compile-cache"]) == 0
+    assert cli.main(["hi", "--drafter", "/", "--runs", "3", "--no-compile-cache", "--weight-dtype", "bfloat16"]) == 0
     assert recorded["n_generate"] == 6  # three speculative runs, three autoregressive reruns
+    assert recorded["load_target"]["weight_dtype"] == "bfloat16"
     assert "run 3 of 3" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.main(["hi", "--runs", "0"])
