@@ -24,9 +24,9 @@ class Target:
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, tokenizer=None, name="random") -> Target:
-        model = Transformer(cfg.replace(weight_dtype=None), rngs=nnx.Rngs(seed))
-        graphdef, state = nnx.split(model)
-        return cls(cfg.replace(weight_dtype=None), graphdef, state, tokenizer, name).with_weight_dtype(cfg.weight_dtype)
+        full = cfg.replace(weight_dtype=None)  # built at the activation dtype, then narrowed
+        graphdef, state = nnx.split(Transformer(full, rngs=nnx.Rngs(seed)))
+        return cls(full, graphdef, state, tokenizer, name).with_weight_dtype(cfg.weight_dtype)
 
     def with_weight_dtype(self, weight_dtype: str | None) -> Target:
         """This target with its matmul weights stored as `weight_dtype` ("bfloat16" under
