@@ -120,6 +120,10 @@ class GenState:
     prev_conf: Any = None  # [S, K] calibrated confidences of the slot's last draft (async budget)
     acc_w: Any = None  # [S, K] decayed count of accepted drafts per position (async calibration)
     reach_w: Any = None  # [S, K] decayed count of verified drafts whose prefix was accepted
+    # The same evidence for foreseen rows (`foresight`, e.g. prompt lookup), pooled over positions:
+    # decayed accepted drafts and the decayed sum of the confidences foresight gave them.
+    f_acc_w: Any = None  # [S]
+    f_exp_w: Any = None  # [S]
     steps: Any = None  # [] cycles run by the loop (with any active slot)
     drafted_steps: Any = None  # [] of which drafted
     budget_sum: Any = None  # [] Σ packed tokens used (N = S + Σℓ)
@@ -187,6 +191,7 @@ def with_sched_state(st: GenState, num_draft: int) -> GenState:
     K = num_draft
     return st.replace(verified=jnp.zeros((S,), jnp.int32), prev_conf=jnp.ones((S, K), jnp.float32),
                       acc_w=jnp.zeros((S, K), jnp.float32), reach_w=jnp.zeros((S, K), jnp.float32),
+                      f_acc_w=jnp.zeros((S,), jnp.float32), f_exp_w=jnp.zeros((S,), jnp.float32),
                       steps=z(), drafted_steps=z(), budget_sum=z(), bucket_sum=z())
 
 
@@ -209,7 +214,7 @@ def should_compact(st: GenState, settings: LoopSettings):
 
 
 PER_SLOT = ("seq_len", "anchor", "out", "n_out", "done", "max_new", "keys", "stop_ids", "cycles", "tau_sum",
-            "reached", "accepted_at", "verified", "prev_conf", "acc_w", "reach_w")
+            "reached", "accepted_at", "verified", "prev_conf", "acc_w", "reach_w", "f_acc_w", "f_exp_w")
 
 
 @functools.partial(jax.jit, static_argnames=("drafter",))
@@ -387,8 +392,14 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
                 # Confidences a drafter knows before drafting, from the committed context alone
                 # (prompt lookup: whether and how long the context matches): those rows are
                 # budgeted by them, and they do not count as the trained drafter's evidence.
+                # Foresight's prior is corrected online by the request's own record: scaled by
+                # (accepted + c) / (foreseen confidence of what was verified + c), so lookup on
+                # text that repeats less (or more) than the prior assumes drafts less (or more).
                 f_conf, foreseen = drafter.foresight(window_cache(st.dcache, W), st.anchor, st.seq_len)
-                pred = jnp.where(foreseen[:, None], f_conf[:, :K].astype(jnp.float32), pred)
+                c = settings.calib_prior
+                scale = (st.f_acc_w + c) / (st.f_exp_w + c)
+                f_pred = jnp.clip(f_conf[:, :K].astype(jnp.float32) * scale[:, None], 0.0, 1.0)
+                pred = jnp.where(foreseen[:, None], f_pred, pred)
             u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate)
             drafted = u >= 0
             d_tok, d_logits, conf = jax.lax.cond(drafted, draft, no_draft)
@@ -437,6 +448,10 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     accepted_now = act & (j < accepted[:, None])
     lam = jnp.where(act, settings.calib_decay, 1.0)
     learn = act & ~foreseen[:, None]  # the online calibration's evidence: the trained drafter's cycles
+    seen = active & foreseen & drafted  # foresight's evidence: its rows' drafted cycles
+    f_acc = jnp.sum(accepted_now, 1).astype(jnp.float32)
+    f_exp = jnp.sum(jnp.where(reached_now, conf, 0.0), 1)
+    lam_s = jnp.where(active, settings.calib_decay, 1.0)
     return st.replace(
         cache=cache,
         dcache=dcache,
@@ -453,6 +468,8 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         prev_conf=jnp.where(learn & drafted, conf, st.prev_conf),
         acc_w=lam * st.acc_w + (learn & accepted_now),
         reach_w=lam * st.reach_w + (learn & reached_now),
+        f_acc_w=st.f_acc_w if st.f_acc_w is None else lam_s * st.f_acc_w + jnp.where(seen, f_acc, 0.0),
+        f_exp_w=st.f_exp_w if st.f_exp_w is None else lam_s * st.f_exp_w + jnp.where(seen, f_exp, 0.0),
         steps=st.steps + any_active,
         drafted_steps=st.drafted_steps + (any_active & drafted),
         budget_sum=st.budget_sum + jnp.sum(jnp.where(active, 1 + nv, 0)),

@@ -192,7 +192,7 @@ def generate(
     plan = _plan(target, prompts, sampling, config, K)
     st, sa = _initial_state(target, drafter, plan)
     settings, sched, rates_table = loop_settings(target, drafter, config.loop_schedule(policy), K, plan.S, plan.T,
-                                                  config.threshold, step_rates, reprofile)
+                                                  config.threshold, step_rates, reprofile, greedy=sa.all_greedy)
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
     st = _prefill(target, drafter, st, sa, plan, config)
@@ -443,9 +443,10 @@ def _save_rows(final: dict, st: GenState, rows: np.ndarray, which) -> None:
         final[int(rows[r])] = {f: host[f][r] for f in _SAVED}
 
 
-def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofile):
+def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofile, greedy=False):
     """(LoopSettings, SchedArrays or None, StepRates or None) for the cycle's schedule `name`
-    (`DecodeConfig.loop_schedule`)."""
+    (`DecodeConfig.loop_schedule`). `greedy` (every request at T = 0) profiles the cheaper
+    greedy cycle (no draft distributions, argmax verification) instead of the sampled one."""
     if drafter is None or name == "fixed":
         return LoopSettings(num_draft=K), None, None
     if isinstance(step_rates, StepRates):
@@ -458,7 +459,8 @@ def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofi
     elif name == "threshold":  # needs buckets, not rates
         table = StepRates.from_mapping({n: 1.0 for n in default_buckets(S, K)}, slots=S)
     else:
-        table = profile_step_rates(target, drafter, slots=S, num_draft=K, cache_len=T, reprofile=reprofile)
+        table = profile_step_rates(target, drafter, slots=S, num_draft=K, cache_len=T, reprofile=reprofile,
+                                   greedy=greedy)
     buckets = tuple(n for n in table.buckets if n <= S * (K + 1))
     if not buckets or buckets[-1] < S:
         raise ValueError(f"the step-rate table's buckets {table.buckets} need one of at least {S} packed "

@@ -191,4 +191,6 @@ def admit(st: GenState, logits_SV, seq_len_S, chunk_S, final_S, max_new_S, keys_
         prev_conf=pick(jnp.ones_like(st.prev_conf), st.prev_conf),
         acc_w=pick(jnp.zeros_like(st.acc_w), st.acc_w),
         reach_w=pick(jnp.zeros_like(st.reach_w), st.reach_w),
+        f_acc_w=pick(jnp.zeros_like(st.f_acc_w), st.f_acc_w),
+        f_exp_w=pick(jnp.zeros_like(st.f_exp_w), st.f_exp_w),
     )

@@ -83,10 +83,10 @@ class StepRates:
                    float("inf") if d.get("ar_s") is None else float(d["ar_s"]), d.get("key"))
 
 
-def _model_key(target, drafter, slots, num_draft, cache_len, buckets) -> dict:
+def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=False) -> dict:
     dcfg = getattr(drafter, "cfg", None)
-    return {
-        "method": "draft(S) + verify(S, N), round-robin median, v1",  # bump to invalidate old tables
+    key = {
+        "method": "draft(S) + verify(S, N), round-robin median, caches donated, v2",  # bump to invalidate old tables
         "device": jax.devices()[0].device_kind,
         "model": target.name,
         "config": hashlib.sha1(repr(target.cfg).encode()).hexdigest()[:16],
@@ -97,6 +97,9 @@ def _model_key(target, drafter, slots, num_draft, cache_len, buckets) -> dict:
         "cache_len": cache_len,
         "buckets": list(buckets),
     }
+    if greedy:  # (sampled tables keep their old keys, so caches made before stay valid)
+        key["sampling"] = "greedy"
+    return key
 
 
 def _cache_path(key: dict, cache_dir: str | None) -> str:
@@ -108,15 +111,24 @@ def _cache_path(key: dict, cache_dir: str | None) -> str:
 @functools.partial(jax.jit, static_argnames=("tgraph", "drafter"))
 def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_S, sa):
     target = nnx.merge(tgraph, tstate)
-    return drafter.draft(dparams, dcache, target, anchor_S, pos_S, keys_S, sa)
+    tok, logits, conf = drafter.draft(dparams, dcache, target, anchor_S, pos_S, keys_S, sa)
+    # As the decode loop does: greedy verification never reads the draft distributions, so
+    # their scatter into the full vocabulary is dead code there and must not be timed here.
+    return tok, conf, (None if sa.all_greedy else logits)
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max"))
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max", "defer_to"),
+                   donate_argnames=("cache", "dcache"))
 def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok,
-                 d_logits, nv, active, *, num_tokens, q_max):
+                 d_logits, nv, active, *, num_tokens, q_max, defer_to):
+    """The step as the scheduled loop runs it under its bucket switch: the caches only read,
+    the step's writes (padded to the largest bucket) applied after."""
     target = nnx.merge(tgraph, tstate)
-    return verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok,
-                         d_logits, nv, active, num_tokens=num_tokens, q_max=q_max)
+    accepted, emitted, writes = verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa,
+                                              verify_keys, d_tok, d_logits, nv, active, num_tokens=num_tokens,
+                                              q_max=q_max, defer_to=defer_to)
+    cache, dcache = writes.apply(target, drafter, dparams, cache, dcache)
+    return accepted, emitted, cache, dcache
 
 
 def _median_times(fns, repeats: int, warmup: int = 2) -> list[float]:
@@ -142,29 +154,42 @@ def _spread(total: int, slots: int, num_draft: int) -> np.ndarray:
 
 
 def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
-                       buckets: Sequence[int], repeats: int = 7) -> StepRates:
-    """Times draft(S), verify(S, N) for every bucket N, and the no-draft step (uncached)."""
+                       buckets: Sequence[int], repeats: int = 7, greedy: bool = False) -> StepRates:
+    """Times draft(S), verify(S, N) for every bucket N, and the no-draft step (uncached).
+    `greedy`: every request greedy (T = 0) — the loop then drafts without the draft
+    distributions and verifies by argmax, both cheaper than the sampled path timed otherwise."""
     S, K, T = slots, num_draft, cache_len
     V = target.cfg.vocab_size
     dparams = drafter.params
     cache = KVCache.zeros(target.cfg, S, T)
     dcache = drafter.init_cache(dparams, S, T)
-    sa = SamplingArrays.from_params([SamplingParams(temperature=1.0)] * S)
+    sa = SamplingArrays.from_params([SamplingParams(temperature=0.0 if greedy else 1.0)] * S)
     keys = jax.vmap(jax.random.key)(jnp.arange(S, dtype=jnp.uint32))
     # Anchors mid-cache: the masks are dense over T anyway, so the position only has to be valid.
     pos = jnp.full((S,), T // 2, jnp.int32)
     anchor = jnp.zeros((S,), jnp.int32)
     tg, ts = target.graphdef, target.state
     d_tok = jnp.zeros((S, K), jnp.int32)
-    d_logits = jnp.zeros((S, K, V), jnp.float32)
+    d_logits = jnp.zeros((S, K, 0 if greedy else V), jnp.float32)
     active = jnp.ones((S,), bool)
+
+    # The caches are donated and threaded from call to call, as the decode loop updates them in
+    # place: a step that returned a fresh copy would time a copy of the whole cache too (at
+    # S = 16 a third of a one-token step), which no real step pays.
+    caches = {"cache": cache, "dcache": dcache}
 
     def verify_fn(n_tokens, q_max):
         nv = jnp.asarray(_spread(n_tokens - S, S, K))
-        return lambda: _verify_step(tg, ts, drafter, dparams, cache, dcache, pos, anchor, sa, keys, d_tok, d_logits,
-                                    nv, active, num_tokens=n_tokens, q_max=q_max)
 
-    fns = [lambda: _draft_step(tg, ts, drafter, dparams, dcache, anchor, pos, keys, sa), verify_fn(S, 1)]
+        def call():
+            out = _verify_step(tg, ts, drafter, dparams, caches["cache"], caches["dcache"], pos, anchor, sa, keys,
+                               d_tok, d_logits, nv, active, num_tokens=n_tokens, q_max=q_max,
+                               defer_to=max(buckets))
+            caches["cache"], caches["dcache"] = out[2], out[3]
+            return out[:2]
+        return call
+
+    fns = [lambda: _draft_step(tg, ts, drafter, dparams, caches["dcache"], anchor, pos, keys, sa), verify_fn(S, 1)]
     fns += [verify_fn(n, K + 1) for n in buckets]
     draft_s, ar_s, *verify_s = _median_times(fns, repeats)
     # Monotone: a bigger bucket never runs faster (noise would otherwise attract the scheduler).
@@ -174,14 +199,15 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
 
 def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
                        buckets: Sequence[int] | None = None, repeats: int = 7, cache_dir: str | None = None,
-                       reprofile: bool = False) -> StepRates:
+                       reprofile: bool = False, greedy: bool = False) -> StepRates:
     """The step-rate table of (target, drafter) at S = `slots`, from the disk cache when it
-    holds one for this device, model, dtype and bucket list, else measured and stored."""
+    holds one for this device, model, dtype, bucket list and sampling mode (`greedy`: every
+    request at T = 0, see `measure_step_rates`), else measured and stored."""
     buckets = tuple(buckets) if buckets is not None else default_buckets(slots, num_draft)
     if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] > slots * (num_draft + 1):
         raise ValueError(f"buckets must be strictly increasing within [1, {slots * (num_draft + 1)}] "
                          f"(S·(K+1) for S={slots}, K={num_draft}), got {buckets}")
-    key = _model_key(target, drafter, slots, num_draft, cache_len, buckets)
+    key = _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy)
     path = _cache_path(key, cache_dir)
     if not reprofile and os.path.exists(path):
         with open(path) as f:
@@ -189,7 +215,8 @@ def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
         if table.key == key:
             return table
     table = dataclasses.replace(measure_step_rates(target, drafter, slots=slots, num_draft=num_draft,
-                                                   cache_len=cache_len, buckets=buckets, repeats=repeats),
+                                                   cache_len=cache_len, buckets=buckets, repeats=repeats,
+                                                   greedy=greedy),
                                 key=key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".tmp{os.getpid()}"

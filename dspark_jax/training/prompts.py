@@ -13,6 +13,10 @@ answers it with its chat template (on-policy data, see `regenerate.py`). Sources
   in the shape HumanEval asks for, from a source no benchmark draws on.
 - `pystdlib-more`: the same from ~140 further standard-library modules (asyncio, email,
   multiprocessing, unittest, xml, ...), none of the prompts `pystdlib` gives (~800 more).
+- `pypackages`: the same from third-party pure-Python packages this project's install brings
+  (toolz, networkx, sympy, mpmath, jinja2, pyparsing, numpy, scipy, ...; those not installed are
+  skipped), docstrings cut before their examples, references and notes — none of the prompts
+  the two `pystdlib` sources give (~1,300 more).
 - `mathgen`: grade-school word problems from a seeded generator (a few dozen templates, random
   names, objects and numbers), asking for step-by-step reasoning — the shape GSM8K asks for.
 - a path to a local JSONL file whose lines hold `turns` (a list of user turns; the first is
@@ -28,6 +32,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 
 
@@ -115,9 +120,37 @@ _STDLIB_MORE_MODULES = (
 ).split()
 
 
-def _stdlib_prompts(modules, seen: set) -> Iterator[str]:
+# Third-party modules for `pypackages`: algorithmic and text-handling code in the shape HumanEval
+# asks for (graph, number-theory, iterable and string utilities), from packages the install pulls in.
+_PACKAGE_MODULES = (
+    "toolz.itertoolz toolz.dicttoolz toolz.functoolz toolz.recipes networkx.algorithms.shortest_paths.generic "
+    "networkx.algorithms.shortest_paths.unweighted networkx.algorithms.shortest_paths.weighted "
+    "networkx.algorithms.components.connected networkx.algorithms.dag networkx.algorithms.cycles "
+    "networkx.algorithms.clique networkx.algorithms.traversal.depth_first_search "
+    "networkx.algorithms.traversal.breadth_first_search networkx.algorithms.matching networkx.algorithms.cluster "
+    "networkx.algorithms.centrality.degree_alg networkx.algorithms.coloring.greedy_coloring networkx.algorithms.euler "
+    "networkx.algorithms.bipartite.basic networkx.algorithms.tree.mst networkx.algorithms.simple_paths "
+    "networkx.algorithms.core networkx.algorithms.distance_measures networkx.algorithms.isolate "
+    "networkx.algorithms.triads networkx.generators.classic networkx.generators.small networkx.utils.misc "
+    "networkx.relabel networkx.convert sympy.utilities.iterables sympy.ntheory.factor_ sympy.ntheory.primetest "
+    "sympy.ntheory.generate sympy.ntheory.residue_ntheory sympy.ntheory.digits sympy.ntheory.continued_fraction "
+    "sympy.ntheory.multinomial sympy.combinatorics.permutations sympy.combinatorics.subsets "
+    "sympy.combinatorics.graycode sympy.combinatorics.prufer sympy.utilities.misc sympy.core.numbers "
+    "sympy.polys.polytools sympy.functions.combinatorial.numbers sympy.strategies.core mpmath.libmp.libintmath "
+    "mpmath.identification humanize.number humanize.time humanize.filesize humanize.lists dateutil.easter "
+    "dateutil.relativedelta dateutil.rrule dateutil.parser._parser packaging.version packaging.utils "
+    "packaging.specifiers jinja2.filters jinja2.utils markupsafe pyparsing.helpers pyparsing.core yaml tomlkit.api "
+    "click.utils click.termui rich.text rich.cells pygments.util numpy numpy.polynomial.polyutils "
+    "scipy.spatial.distance scipy.special._basic scipy.stats._stats_py scipy.signal._waveforms "
+    "scipy.optimize._zeros_py tqdm.utils fsspec.utils requests.utils idna.core"
+).split()
+_DOC_TAILS = re.compile(r"\n\s*(Examples?|References|See Also|Notes|Warnings?)\n\s*-{3,}|\n\s*>>>")
+
+
+def _stdlib_prompts(modules, seen: set, trim: bool = False) -> Iterator[str]:
     """Code prompts from `modules`' public functions and methods with a docstring of ≥ 60
-    characters, skipping (name, docstring) pairs already in `seen` (which it extends)."""
+    characters, skipping (name, docstring) pairs already in `seen` (which it extends). `trim`
+    cuts each docstring before its examples, references, notes and doctests."""
     import importlib
     import inspect
     import textwrap
@@ -141,6 +174,8 @@ def _stdlib_prompts(modules, seen: set) -> Iterator[str]:
                           if not mn.startswith("_") and inspect.isfunction(mo)]
         for cls, n, obj in items:
             doc = inspect.getdoc(obj)
+            if trim and doc:
+                doc = _DOC_TAILS.split(doc, maxsplit=1)[0].rstrip()
             try:
                 sig = str(inspect.signature(obj))
             except (TypeError, ValueError):
@@ -155,15 +190,21 @@ def _stdlib_prompts(modules, seen: set) -> Iterator[str]:
             yield _CODE_ASKS[len(seen) % len(_CODE_ASKS)].format(code=code.rstrip())
 
 
-def _pystdlib(more: bool = False) -> Iterator[str]:
+def _pystdlib(more: bool = False, packages: bool = False) -> Iterator[str]:
     seen: set = set()
     base = _stdlib_prompts(_STDLIB_MODULES, seen)
-    if not more:
+    if not (more or packages):
         yield from base
         return
-    for _ in base:  # fills `seen`: `pystdlib-more` holds none of `pystdlib`'s prompts
+    for _ in base:  # fills `seen`: the later sources hold none of the earlier ones' prompts
         pass
-    yield from _stdlib_prompts(_STDLIB_MORE_MODULES, seen)
+    extra = _stdlib_prompts(_STDLIB_MORE_MODULES, seen)
+    if not packages:
+        yield from extra
+        return
+    for _ in extra:
+        pass
+    yield from _stdlib_prompts(_PACKAGE_MODULES, seen, trim=True)
 
 
 def _mathgen(n: int = 4000, seed: int = 0) -> Iterator[str]:
@@ -237,13 +278,15 @@ def _jsonl(path: str) -> Iterator[list[dict]]:
 
 def iter_prompts(source: str) -> Iterator[list[dict]]:
     """Chat prompts from a named source ('sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more',
-    'mathgen') or a local JSONL path."""
+    'pypackages', 'mathgen') or a local JSONL path."""
     if source == "sharegpt":
         yield from ([{"role": "user", "content": t}] for t in _sharegpt())
     elif source == "humaneval":
         yield from ([{"role": "user", "content": t}] for t in _humaneval())
     elif source in ("pystdlib", "pystdlib-more"):
         yield from ([{"role": "user", "content": t}] for t in _pystdlib(more=source == "pystdlib-more"))
+    elif source == "pypackages":
+        yield from ([{"role": "user", "content": t}] for t in _pystdlib(packages=True))
     elif source == "mathgen":
         yield from ([{"role": "user", "content": t}] for t in _mathgen())
     elif os.path.isfile(source):
@@ -251,7 +294,7 @@ def iter_prompts(source: str) -> Iterator[list[dict]]:
     else:
         raise FileNotFoundError(
             f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more', "
-            "'mathgen' or the path of a JSONL file"
+            "'pypackages', 'mathgen' or the path of a JSONL file"
         )
 
 

@@ -81,6 +81,10 @@ def test_profile_table_is_monotone_and_cached(tiny, tmp_path, monkeypatch):
     assert other.buckets == (8, 32) and len(os.listdir(tmp_path)) == 2
     with pytest.raises(ValueError, match="strictly increasing"):
         profile_step_rates(tiny["target"], tiny["drafter"], buckets=(8, 40), **kw)
+    # The greedy cycle (no draft distributions, argmax verification) is its own table.
+    g = profile_step_rates(tiny["target"], tiny["drafter"], greedy=True, **kw)
+    assert g.buckets == BUCKETS and g.key["sampling"] == "greedy" and "sampling" not in table.key
+    assert len(os.listdir(tmp_path)) == 3
 
 
 @pytest.mark.slow
@@ -96,6 +100,7 @@ def test_greedy_scheduled_equals_autoregressive(tiny, kw, tmp_path, monkeypatch)
     assert S <= st["budget_per_step"] <= st["bucket_per_step"] <= S * (K + 1)
     if kw["policy"] == "dspark":
         assert len(os.listdir(tmp_path)) == 1 and st["step_rates"]["buckets"] == list(BUCKETS)
+        assert st["step_rates"]["key"]["sampling"] == "greedy"  # every request greedy: the greedy cycle's table
 
 
 @pytest.mark.slow

@@ -176,6 +176,27 @@ def test_hybrid_greedy_matches_autoregressive(tiny, min_match):
     assert out.stats["tau"] > alone.stats["tau"]
 
 
+@pytest.mark.slow
+def test_an_overconfident_lookup_prior_is_corrected_online(tiny):
+    """Foresight's prior is scaled by the request's own record (accepted drafts against the
+    confidence foresight gave them): a lookup that claims every draft survives, on text whose
+    matches the target rarely continues, stops being drafted. Before the correction the
+    scheduler drafted in 49% of these steps (it trusted the prior on every match); now 18%."""
+    from dspark_jax.decoding.profiling import StepRates
+
+    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    ar = ds.generate(tiny["target"], tiny["prompts"], sampling=sp).token_ids
+    # Skipping: 1 step/s; the full bucket (4 slots × 5 tokens): 1/3 — drafting pays only when
+    # more than two of a slot's drafts are expected to survive.
+    table = StepRates(4, (4, 12, 20), 0.0, (1.5, 2.0, 3.0), 1.0)
+    claims = NgramDrafter(block_size=4, confidence=(0.0, 1.0, 1.0, 1.0, 1.0))
+    out = ds.generate(tiny["target"], tiny["prompts"], drafter=claims, sampling=sp, policy="dspark", step_rates=table)
+    assert out.token_ids == ar
+    fixed = ds.generate(tiny["target"], tiny["prompts"], drafter=claims, sampling=sp, policy="fixed")
+    assert fixed.stats["tau"] < 1.5  # what the claims are worth: < 0.5 accepted drafts per cycle
+    assert out.stats["drafted_steps"] < 0.3
+
+
 def test_foresight_is_the_blocks_own_confidence(tiny):
     """What the async scheduler reads before drafting is the confidence the block then has:
     the lookup's prior by match length (0 where nothing matches), known for every row; for

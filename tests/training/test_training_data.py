@@ -52,7 +52,8 @@ def _norm(text):
     return " ".join(text.lower().split())
 
 
-@pytest.mark.parametrize("source,at_least", [("pystdlib", 1000), ("pystdlib-more", 700), ("mathgen", 1000),
+@pytest.mark.parametrize("source,at_least", [("pystdlib", 1000), ("pystdlib-more", 700), ("pypackages", 1000),
+                                             ("mathgen", 1000),
                                              ("sharegpt", 1000)])
 def test_training_sources_hold_no_evaluation_prompt(source, at_least):
     """The drafter is evaluated on benchmarks/data (GSM8K test, HumanEval, MT-Bench): no
@@ -111,6 +112,10 @@ def test_generated_sources_are_stable_and_varied():
     more = [p[0]["content"] for p in iter_prompts("pystdlib-more")]
     assert len(set(more)) == len(more) and all("```python\n" in c and "def " in c for c in more)
     assert not set(code) & set(more)
+    pkgs = [p[0]["content"] for p in iter_prompts("pypackages")]
+    assert len(set(pkgs)) == len(pkgs) and all("```python\n" in c and "def " in c for c in pkgs)
+    assert not (set(code) | set(more)) & set(pkgs)
+    assert not any("\n    >>>" in c or "Examples\n    --------" in c for c in pkgs)  # docstrings cut
 
 
 def test_source_spec_samples_a_source(tmp_path):
