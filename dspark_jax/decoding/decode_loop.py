@@ -397,8 +397,8 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
                 # text that repeats less (or more) than the prior assumes drafts less (or more).
                 f_conf, foreseen = drafter.foresight(window_cache(st.dcache, W), st.anchor, st.seq_len)
                 c = settings.calib_prior
-                scale = (st.f_acc_w + c) / (st.f_exp_w + c)
-                f_pred = jnp.clip(f_conf[:, :K].astype(jnp.float32) * scale[:, None], 0.0, 1.0)
+                f_scale = (st.f_acc_w + c) / (st.f_exp_w + c)
+                f_pred = jnp.clip(f_conf[:, :K].astype(jnp.float32) * f_scale[:, None], 0.0, 1.0)
                 pred = jnp.where(foreseen[:, None], f_pred, pred)
             u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate)
             drafted = u >= 0
@@ -410,7 +410,12 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
             nv = jnp.clip(policy(conf, active, caps, sched.rates, buckets), 0, caps).astype(jnp.int32)
             u = bucket_index(jnp.sum(active) + jnp.sum(nv), buckets)
         else:
-            nv, u = schedule_lengths(conf, policy, sched.rates, buckets, active_S=active, caps_S=caps, k=K,
+            rank = conf
+            if policy == "async" and hasattr(drafter, "foresight"):
+                # The bucket's drafts go to the best candidates by the same corrected confidences
+                # (the scale comes from earlier cycles: the decision still never reads this one's).
+                rank = jnp.where(foreseen[:, None], jnp.clip(conf * f_scale[:, None], 0.0, 1.0), conf)
+            nv, u = schedule_lengths(rank, policy, sched.rates, buckets, active_S=active, caps_S=caps, k=K,
                                      threshold=sched.threshold, bucket_u=u, fill=True)
         nv = jnp.where(drafted, nv, 0)
         # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.

@@ -5,12 +5,14 @@ tokens, U buckets, T cache length, V vocab.
 
 Cost model: step time = draft(S) + verify(S, N) — the drafter runs once per slot whatever
 the budget, the packed target step costs by its bucket. A step that skips drafting (async,
-budget 0) costs verify(S, S) with one query per slot. Each piece is the jitted function
-the decode loop runs (`engine.verify_bucket`, `drafter.draft`), timed after a warm-up,
-median of `repeats`, then made monotone (a bigger bucket is never faster: timing noise must
-not make the scheduler prefer it). Tables are cached as JSON under
-~/.cache/dspark_jax/sps/ (or $DSPARK_SPS_CACHE), keyed by device kind, model, config hash,
-dtype, drafter, slots, K, cache length and bucket list.
+budget 0) costs verify(S, S) with one query per slot. Each piece is the function the decode
+loop runs (`decode_loop.verify_bucket` with its writes deferred past the bucket switch,
+`drafter.draft`), `STEPS_PER_CALL` steps per jitted call with the caches donated, timed after
+a warm-up, median of `repeats`, then made monotone (a bigger bucket is never faster: timing
+noise must not make the scheduler prefer it). All-greedy batches get their own table (the
+greedy cycle drafts without distributions and verifies by argmax). Tables are cached as JSON
+under ~/.cache/dspark_jax/sps/ (or $DSPARK_SPS_CACHE), keyed by the method, device kind,
+model, config hash, dtype, drafter, slots, K, cache length, bucket list and sampling mode.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class StepRates:
 def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=False) -> dict:
     dcfg = getattr(drafter, "cfg", None)
     key = {
-        "method": "draft(S) + verify(S, N), round-robin median, caches donated, v2",  # bump to invalidate old tables
+        "method": "draft(S) + verify(S, N), round-robin median, 4 steps a call, caches donated, v3",  # bump to invalidate old tables
         "device": jax.devices()[0].device_kind,
         "model": target.name,
         "config": hashlib.sha1(repr(target.cfg).encode()).hexdigest()[:16],
@@ -97,7 +99,7 @@ def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=Fal
         "cache_len": cache_len,
         "buckets": list(buckets),
     }
-    if greedy:  # (sampled tables keep their old keys, so caches made before stay valid)
+    if greedy:
         key["sampling"] = "greedy"
     return key
 
@@ -108,13 +110,25 @@ def _cache_path(key: dict, cache_dir: str | None) -> str:
     return os.path.join(d, f"{h}.json")
 
 
+# Each timed call runs this many steps in one jitted loop, as the decode loop does: one call
+# per step would add the host's dispatch of the whole state to every step (at 16 slots a
+# skipped step then read 20% dearer than in the loop, which biased the scheduler to draft).
+STEPS_PER_CALL = 4
+
+
 @functools.partial(jax.jit, static_argnames=("tgraph", "drafter"))
 def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_S, sa):
     target = nnx.merge(tgraph, tstate)
-    tok, logits, conf = drafter.draft(dparams, dcache, target, anchor_S, pos_S, keys_S, sa)
-    # As the decode loop does: greedy verification never reads the draft distributions, so
-    # their scatter into the full vocabulary is dead code there and must not be timed here.
-    return tok, conf, (None if sa.all_greedy else logits)
+
+    def body(_, carry):
+        anchor, acc = carry
+        tok, logits, conf = drafter.draft(dparams, dcache, target, anchor, pos_S, keys_S, sa)
+        # As the decode loop does: greedy verification never reads the draft distributions, so
+        # their scatter into the full vocabulary is dead code there and must not be timed here.
+        acc = acc + jnp.sum(conf) + (0.0 if sa.all_greedy else jnp.sum(jnp.where(logits > 0, 1.0, 0.0)))
+        return tok[:, 0], acc  # the next draft starts from this one's first token
+
+    return jax.lax.fori_loop(0, STEPS_PER_CALL, body, (anchor_S, jnp.float32(0.0)))
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max", "defer_to"),
@@ -124,11 +138,16 @@ def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anc
     """The step as the scheduled loop runs it under its bucket switch: the caches only read,
     the step's writes (padded to the largest bucket) applied after."""
     target = nnx.merge(tgraph, tstate)
-    accepted, emitted, writes = verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa,
-                                              verify_keys, d_tok, d_logits, nv, active, num_tokens=num_tokens,
-                                              q_max=q_max, defer_to=defer_to)
-    cache, dcache = writes.apply(target, drafter, dparams, cache, dcache)
-    return accepted, emitted, cache, dcache
+
+    def body(_, carry):
+        cache, dcache, anchor, acc = carry
+        accepted, emitted, writes = verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor, sa,
+                                                  verify_keys, d_tok, d_logits, nv, active, num_tokens=num_tokens,
+                                                  q_max=q_max, defer_to=defer_to)
+        cache, dcache = writes.apply(target, drafter, dparams, cache, dcache)
+        return cache, dcache, emitted[:, 0], acc + jnp.sum(accepted)
+
+    return jax.lax.fori_loop(0, STEPS_PER_CALL, body, (cache, dcache, anchor_S, jnp.int32(0)))
 
 
 def _median_times(fns, repeats: int, warmup: int = 2) -> list[float]:
@@ -185,13 +204,13 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
             out = _verify_step(tg, ts, drafter, dparams, caches["cache"], caches["dcache"], pos, anchor, sa, keys,
                                d_tok, d_logits, nv, active, num_tokens=n_tokens, q_max=q_max,
                                defer_to=max(buckets))
-            caches["cache"], caches["dcache"] = out[2], out[3]
-            return out[:2]
+            caches["cache"], caches["dcache"] = out[0], out[1]
+            return out[2:]
         return call
 
     fns = [lambda: _draft_step(tg, ts, drafter, dparams, caches["dcache"], anchor, pos, keys, sa), verify_fn(S, 1)]
     fns += [verify_fn(n, K + 1) for n in buckets]
-    draft_s, ar_s, *verify_s = _median_times(fns, repeats)
+    draft_s, ar_s, *verify_s = (t / STEPS_PER_CALL for t in _median_times(fns, repeats))
     # Monotone: a bigger bucket never runs faster (noise would otherwise attract the scheduler).
     verify_s = np.maximum.accumulate(np.asarray(verify_s)).tolist()
     return StepRates(S, tuple(int(b) for b in buckets), float(draft_s), tuple(verify_s), float(ar_s))

