@@ -7,11 +7,13 @@ Cost model: step time = draft(S) + verify(S, N) — the drafter runs once per sl
 the budget, the packed target step costs by its bucket. A step that skips drafting (async,
 budget 0) costs verify(S, S) with one query per slot. Each piece is the function the decode
 loop runs (`decode_loop.verify_bucket` with its writes deferred past the bucket switch,
-`drafter.draft`), `STEPS_PER_CALL` steps per jitted call with the caches donated, timed after
-a warm-up, median of `repeats`, then made monotone (a bigger bucket is never faster: timing
-noise must not make the scheduler prefer it). All-greedy batches get their own table (the
-greedy cycle drafts without distributions and verifies by argmax). Tables are cached as JSON
-under ~/.cache/dspark_jax/sps/ (or $DSPARK_SPS_CACHE), keyed by the method, device kind,
+`drafter.draft`) run in a jitted loop with the caches donated, as the decode loop runs them:
+each piece is timed at `STEPS_PER_CALL` steps per call and at 2 + that many, and the step's
+cost is the difference ÷ 2 (the call's own cost — the host's dispatch of the whole state,
+~25 ms at 16 slots — cancels), after a warm-up, medians of `repeats`, then made monotone (a
+bigger bucket is never faster: timing noise must not make the scheduler prefer it).
+All-greedy batches get their own table (the greedy cycle drafts without distributions and
+verifies by argmax). Tables are cached as JSON under ~/.cache/dspark_jax/sps/ (or $DSPARK_SPS_CACHE), keyed by the method, device kind,
 model, config hash, dtype, drafter, slots, K, cache length, bucket list and sampling mode.
 """
 
@@ -88,7 +90,8 @@ class StepRates:
 def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=False) -> dict:
     dcfg = getattr(drafter, "cfg", None)
     key = {
-        "method": "draft(S) + verify(S, N), round-robin median, 4 steps a call, caches donated, v3",  # bump to invalidate old tables
+        # bump to invalidate old tables
+        "method": "draft(S) + verify(S, N), round-robin medians, 2 vs 4 steps a call, caches donated, v4",
         "device": jax.devices()[0].device_kind,
         "model": target.name,
         "config": hashlib.sha1(repr(target.cfg).encode()).hexdigest()[:16],
@@ -110,14 +113,14 @@ def _cache_path(key: dict, cache_dir: str | None) -> str:
     return os.path.join(d, f"{h}.json")
 
 
-# Each timed call runs this many steps in one jitted loop, as the decode loop does: one call
-# per step would add the host's dispatch of the whole state to every step (at 16 slots a
-# skipped step then read 20% dearer than in the loop, which biased the scheduler to draft).
-STEPS_PER_CALL = 4
+# Steps per timed call (and 2 more): the decode loop runs its steps in one jitted loop, and a
+# call per step would add the host's dispatch of the whole state to every step (at 16 slots a
+# skipped step read 20% dearer than in the loop, which biased the scheduler towards drafting).
+STEPS_PER_CALL = 2
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "drafter"))
-def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_S, sa):
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "steps"))
+def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_S, sa, steps):
     target = nnx.merge(tgraph, tstate)
 
     def body(_, carry):
@@ -128,13 +131,13 @@ def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_
         acc = acc + jnp.sum(conf) + (0.0 if sa.all_greedy else jnp.sum(jnp.where(logits > 0, 1.0, 0.0)))
         return tok[:, 0], acc  # the next draft starts from this one's first token
 
-    return jax.lax.fori_loop(0, STEPS_PER_CALL, body, (anchor_S, jnp.float32(0.0)))
+    return jax.lax.fori_loop(0, steps, body, (anchor_S, jnp.float32(0.0)))
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max", "defer_to"),
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max", "defer_to", "steps"),
                    donate_argnames=("cache", "dcache"))
 def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok,
-                 d_logits, nv, active, *, num_tokens, q_max, defer_to):
+                 d_logits, nv, active, *, num_tokens, q_max, defer_to, steps):
     """The step as the scheduled loop runs it under its bucket switch: the caches only read,
     the step's writes (padded to the largest bucket) applied after."""
     target = nnx.merge(tgraph, tstate)
@@ -147,7 +150,7 @@ def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anc
         cache, dcache = writes.apply(target, drafter, dparams, cache, dcache)
         return cache, dcache, emitted[:, 0], acc + jnp.sum(accepted)
 
-    return jax.lax.fori_loop(0, STEPS_PER_CALL, body, (cache, dcache, anchor_S, jnp.int32(0)))
+    return jax.lax.fori_loop(0, steps, body, (cache, dcache, anchor_S, jnp.int32(0)))
 
 
 def _median_times(fns, repeats: int, warmup: int = 2) -> list[float]:
@@ -197,20 +200,29 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
     # S = 16 a third of a one-token step), which no real step pays.
     caches = {"cache": cache, "dcache": dcache}
 
-    def verify_fn(n_tokens, q_max):
+    def verify_fn(n_tokens, q_max, steps):
         nv = jnp.asarray(_spread(n_tokens - S, S, K))
 
         def call():
             out = _verify_step(tg, ts, drafter, dparams, caches["cache"], caches["dcache"], pos, anchor, sa, keys,
                                d_tok, d_logits, nv, active, num_tokens=n_tokens, q_max=q_max,
-                               defer_to=max(buckets))
+                               defer_to=max(buckets), steps=steps)
             caches["cache"], caches["dcache"] = out[0], out[1]
             return out[2:]
         return call
 
-    fns = [lambda: _draft_step(tg, ts, drafter, dparams, caches["dcache"], anchor, pos, keys, sa), verify_fn(S, 1)]
-    fns += [verify_fn(n, K + 1) for n in buckets]
-    draft_s, ar_s, *verify_s = (t / STEPS_PER_CALL for t in _median_times(fns, repeats))
+    def draft_fn(steps):
+        return lambda: _draft_step(tg, ts, drafter, dparams, caches["dcache"], anchor, pos, keys, sa, steps)
+
+    def pieces(steps):
+        return [draft_fn(steps), verify_fn(S, 1, steps)] + [verify_fn(n, K + 1, steps) for n in buckets]
+
+    n = STEPS_PER_CALL
+    times = _median_times(pieces(n) + pieces(n + 2), repeats)
+    m = len(times) // 2
+    # Per step: the difference of the two call lengths; never below a tenth of the short call's
+    # share (noise must not make a piece look free).
+    draft_s, ar_s, *verify_s = (max((b - a) / 2, a / n / 10) for a, b in zip(times[:m], times[m:]))
     # Monotone: a bigger bucket never runs faster (noise would otherwise attract the scheduler).
     verify_s = np.maximum.accumulate(np.asarray(verify_s)).tolist()
     return StepRates(S, tuple(int(b) for b in buckets), float(draft_s), tuple(verify_s), float(ar_s))
