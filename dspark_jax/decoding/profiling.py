@@ -13,8 +13,9 @@ cost is the difference ÷ 2 (the call's own cost — the host's dispatch of the 
 ~25 ms at 16 slots — cancels), after a warm-up, medians of `repeats`, then made monotone (a
 bigger bucket is never faster: timing noise must not make the scheduler prefer it).
 All-greedy batches get their own table (the greedy cycle drafts without distributions and
-verifies by argmax). Tables are cached as JSON under ~/.cache/dspark_jax/sps/ (or $DSPARK_SPS_CACHE), keyed by the method, device kind,
-model, config hash, dtype, drafter, slots, K, cache length, bucket list and sampling mode.
+verifies by argmax). Tables are cached as JSON under ~/.cache/dspark_jax/sps/ (or
+$DSPARK_SPS_CACHE), keyed by the method, device kind, model, config hash, dtype, drafter,
+slots, K, cache length, bucket list and sampling mode.
 """
 
 from __future__ import annotations
