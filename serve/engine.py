@@ -123,8 +123,16 @@ class Engine:
         self.windows = attention_windows(self.T) if config.windowed_attention else []
         self.cycles_per_step = cycles_per_step
         cfg = target.cfg
+        # Two step-rate tables when profiled here: the sampled cycle's, and the cheaper greedy
+        # cycle's (argmax verification, no draft distributions) used while every running
+        # request is at T = 0 — the program the engine runs then (`SamplingArrays.all_greedy`).
+        schedule = config.loop_schedule(policy)
         self.settings, self.sched, self.step_rates = loop_settings(
-            target, drafter, config.loop_schedule(policy), K, slots, self.T, config.threshold, step_rates, False)
+            target, drafter, schedule, K, slots, self.T, config.threshold, step_rates, False)
+        self.greedy_settings, self.greedy_sched, self.greedy_step_rates = (
+            loop_settings(target, drafter, schedule, K, slots, self.T, config.threshold, None, False, greedy=True)
+            if step_rates is None and self.sched is not None and schedule != "threshold" else
+            (self.settings, self.sched, self.step_rates))
         O = next_pow2(max_new_tokens) + K + 1
         self.M = 8  # stop ids per request
         self.dparams = drafter.params if drafter is not None else None
@@ -210,9 +218,11 @@ class Engine:
             prefilling = max((r.prefilled for r in self.running.values() if r.status == "prefilling"), default=0)
             length = max(window or self.T, self._cache_len(prefilling))
             self.st = self.st.replace(cache=self.st.cache.resized(length))
+            settings, sched = ((self.greedy_settings, self.greedy_sched) if self.sa.all_greedy
+                               else (self.settings, self.sched))
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
-                                  self.sa, jnp.int32(self.cycles_per_step), self.sched,
-                                  settings=dataclasses.replace(self.settings, kv_window=window))
+                                  self.sa, jnp.int32(self.cycles_per_step), sched,
+                                  settings=dataclasses.replace(settings, kv_window=window))
             self._collect()
         self.busy_s += time.perf_counter() - t0
 

@@ -5,6 +5,7 @@
   equals autoregressive greedy decoding of its prompt, the streamed pieces add up to the
   output, and a second wave of 52 with another mix of sampling parameters compiles nothing.
 - Prompts longer than the admission buffer are prefilled in chunks over several steps.
+- Profiled by the engine: the greedy cycle's table while every running request is at T = 0.
 - A cancelled request frees its slot for the next queued one, keeps what it had streamed
   (a prefix of its greedy output), and the others are unaffected.
 Runtime: ~40 s on a shared 2-core CPU (admission + decode-loop compiles).
@@ -110,3 +111,35 @@ def test_cancel_frees_the_slot(tiny):
     queued = eng.submit(p[5], greedy())
     eng.cancel(queued)
     assert queued.status == "cancelled" and eng.idle
+
+
+@pytest.mark.slow
+def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypatch):
+    """Profiled by the engine: two tables (sampled cycle, greedy cycle); a step whose running
+    requests are all at T = 0 schedules with the greedy one, a mixed step with the sampled one."""
+    import serve.engine as engine_mod
+
+    monkeypatch.setenv("DSPARK_SPS_CACHE", str(tmp_path))
+    eng = Engine(tiny["target"], tiny["drafter"], slots=4, max_len=128, max_new_tokens=MAX_NEW, prefill_tokens=16,
+                 num_draft=3, cycles_per_step=2, policy="dspark")
+    assert eng.greedy_step_rates.key["sampling"] == "greedy" and "sampling" not in eng.step_rates.key
+    assert len(list(tmp_path.iterdir())) == 2
+    used, loop = [], engine_mod.decode_loop
+
+    def spy(*args, **kw):
+        used.append(args[7] is eng.greedy_sched)
+        return loop(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "decode_loop", spy)
+    p = tiny["prompts"]
+    reqs = [eng.submit(p[i], greedy()) for i in range(3)]
+    eng.run()
+    assert used and all(used)
+    assert [r.tokens for r in reqs] == ds.generate(tiny["target"], p[:3], sampling=greedy()).token_ids
+    used.clear()
+    eng.submit(p[0], greedy())
+    eng.submit(p[1], sampled(1))
+    eng.run()
+    # From the step the sampled request is admitted on (the sampling mix changes on admission
+    # only), the sampled cycle's table.
+    assert used and not used[-1]
