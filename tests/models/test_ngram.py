@@ -180,8 +180,10 @@ def test_hybrid_greedy_matches_autoregressive(tiny, min_match):
 def test_an_overconfident_lookup_prior_is_corrected_online(tiny):
     """Foresight's prior is scaled by the request's own record (accepted drafts against the
     confidence foresight gave them): a lookup that claims every draft survives, on text whose
-    matches the target rarely continues, stops being drafted. Before the correction the
-    scheduler drafted in 49% of these steps (it trusted the prior on every match); now 18%."""
+    matches the target rarely continues, is drafted less. Without the correction the
+    scheduler drafted in 49% of these steps (it trusted the prior on every match); scaling
+    every position's confidence, 18%; scaling the first (every survival probability, what
+    ships: the other compounds along the block and lost 18% at batch 1 on HumanEval), 32%."""
     from dspark_jax.decoding.profiling import StepRates
 
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
@@ -194,7 +196,7 @@ def test_an_overconfident_lookup_prior_is_corrected_online(tiny):
     assert out.token_ids == ar
     fixed = ds.generate(tiny["target"], tiny["prompts"], drafter=claims, sampling=sp, policy="fixed")
     assert fixed.stats["tau"] < 1.5  # what the claims are worth: < 0.5 accepted drafts per cycle
-    assert out.stats["drafted_steps"] < 0.3
+    assert out.stats["drafted_steps"] < 0.4  # uncorrected: 0.49
 
 
 def test_foresight_is_the_blocks_own_confidence(tiny):
