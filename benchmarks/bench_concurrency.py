@@ -124,6 +124,10 @@ def main():
         with open(args.json) as f:
             saved = json.load(f)
         return plot(saved["results"], args.plot, 7, saved["hardware"])
+    names = [p for p in args.policies.split(",") if p]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        ap.error(f"unknown policies {unknown}: choose from {sorted(POLICIES)} (autoregressive always runs)")
     # Unrolled layers by default: each layer's cache is its own buffer (no per-step copy of a
     # stacked cache); `--scan-layers` compiles the scheduled policies' bucket switch faster.
     target = ds.load_target("smollm2-135m", scan_layers=args.scan_layers, weight_dtype=args.weight_dtype)
@@ -132,7 +136,6 @@ def main():
         drafter = Drafter(drafter.cfg.replace(draft_topk=args.draft_topk), drafter.graphdef, drafter.state)
     gamma = drafter.block_size
     conc = [int(c) for c in args.concurrency.split(",")]
-    names = [p for p in args.policies.split(",") if p]
     prompts_all = heldout_sharegpt(target, max(conc), args.max_prompt_tokens)
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     untrained = Drafter.random(drafter.cfg, seed=1) if args.no_regret else None
