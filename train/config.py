@@ -29,6 +29,7 @@ class TrainConfig:
     regen_top_p: float = 0.8
     regen_top_k: int = 20
     max_regen_batches: int = 0  # stop regenerating after this many batches (0 = all prompts)
+    max_regen_seconds: float = 0.0  # start no batch after this many seconds of the stage (0 = no limit)
     # Off-policy supplement: this many ShareGPT prompts with the dataset's own answers (no
     # regeneration cost; only ShareGPT has answers). 0 = on-policy data only.
     original_answers: int = 0
@@ -54,6 +55,9 @@ class TrainConfig:
     batch_size: int = 8
     num_epochs: int = 4
     max_steps: int = 0  # cap on the total steps (0 = num_epochs full epochs); the LR schedule spans it
+    # Wall-clock cap on this run of the train stage (0 = none): it saves a checkpoint and ends as
+    # SIGTERM does (rerunning resumes). For time-boxed machines; size max_steps to fit it.
+    max_train_seconds: float = 0.0
     learning_rate: float = 6e-4
     warmup_fraction: float = 0.04
     weight_decay: float = 0.0

@@ -10,6 +10,9 @@ Stages (each resumable; `all` runs them in order, skipping finished work):
              SIGTERM, and at the end; metrics to metrics.jsonl
   calibrate  STS temperatures from real draft-and-verify cycles on the held-out prompts
   export     our inference format (config.json + bf16 model.safetensors) in WORKDIR/export
+Not part of `all`:
+  prompts    the config's prompts as WORKDIR/prompts.jsonl, for a machine without the
+             prompt sources' packages
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.main", description="Train a DSpark drafter for a target model.")
     ap.add_argument("--config", required=True, help="a preset file from configs/ (get_config() → TrainConfig)")
     ap.add_argument("--workdir", required=True, help="directory for data, checkpoints, metrics and the export")
-    ap.add_argument("--stage", default="all", choices=STAGES + ("all",), help="stage to run (default: all)")
+    ap.add_argument("--stage", default="all", choices=STAGES + ("prompts", "all"), help="stage to run (default: all)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field (repeatable), e.g. --set num_epochs=2")
     args = ap.parse_args(argv)

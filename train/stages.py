@@ -70,6 +70,29 @@ def _prompts(cfg: TrainConfig, target):
     return train, held
 
 
+def prompts(cfg: TrainConfig, workdir: str) -> None:
+    """The config's prompts (training, then held-out) as one JSONL file, `workdir/prompts.jsonl`,
+    without those over `max_prompt_tokens`: a machine without the prompt sources' packages (an
+    accelerator host, say) regenerates from it with `--set prompt_sources=("…/prompts.jsonl",)`,
+    which splits it the same way (the held-out split is a hash of each prompt)."""
+    from dspark_jax.decoding.generate import encode_prompt
+
+    target = load_target(cfg)
+    train, held = _prompts(cfg, target)
+    if any(not isinstance(p[0], dict) for p in train + held):
+        raise ValueError("the prompts stage writes chat prompts; 'synthetic' token-id prompts have no text")
+    path = os.path.join(workdir, "prompts.jsonl")
+    kept = 0
+    with open(path + ".tmp", "w") as f:
+        for p in train + held:
+            if len(encode_prompt(target, p)) <= cfg.max_prompt_tokens:
+                f.write(json.dumps({"messages": p}) + "\n")
+                kept += 1
+    os.replace(path + ".tmp", path)
+    print(f"[prompts] {kept} of {len(train) + len(held)} prompts ({len(held)} held out) fit "
+          f"{cfg.max_prompt_tokens} tokens: {path}", file=sys.stderr)
+
+
 def data(cfg: TrainConfig, workdir: str) -> None:
     target = load_target(cfg)
     train, held = _prompts(cfg, target)
@@ -77,7 +100,8 @@ def data(cfg: TrainConfig, workdir: str) -> None:
               max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
               top_p=cfg.regen_top_p, top_k=cfg.regen_top_k, seed=cfg.seed)
     regenerate(target, held, os.path.join(workdir, "data", "heldout"), **kw)
-    regenerate(target, train, os.path.join(workdir, "data", "train"), max_batches=cfg.max_regen_batches, **kw)
+    regenerate(target, train, os.path.join(workdir, "data", "train"), max_batches=cfg.max_regen_batches,
+               max_seconds=cfg.max_regen_seconds, **kw)
     if cfg.original_answers:
         rng = np.random.default_rng(cfg.seed + 1)
         pairs = [([{"role": "user", "content": q}], a) for q, a in sharegpt_pairs()]
@@ -327,6 +351,7 @@ def train(cfg: TrainConfig, workdir: str) -> None:
     prog.update(step)
     kw = dict(tx=tx, dgraph=dgraph, tgraph=target.graphdef, loss=cfg.loss())
     t_last, tok_since = time.perf_counter(), 0
+    t_start = t_last
     try:
         while step < total:
             batch = next(it)
@@ -348,12 +373,18 @@ def train(cfg: TrainConfig, workdir: str) -> None:
                 now = time.perf_counter()
                 rec = {"step": step, "epoch": (step - 1) // steps_per_epoch,
                        **{k: np.asarray(v).tolist() for k, v in m.items()},
-                       "supervised_tokens_per_s": tok_since / max(now - t_last, 1e-9)}
+                       "supervised_tokens_per_s": tok_since / max(now - t_last, 1e-9),
+                       "wall_s": round(now - t_start, 3)}
                 log.write(rec)
                 t_last, tok_since = now, 0
             prog.update(step, loss=loss, tau=float(m["expected_tau"]))
-            if step % cfg.checkpoint_every == 0 or step == total or stop["flag"]:
+            timed_out = cfg.max_train_seconds > 0 and time.perf_counter() - t_start > cfg.max_train_seconds
+            if step % cfg.checkpoint_every == 0 or step == total or stop["flag"] or timed_out:
                 save(step)
+            if timed_out and not stop["flag"]:
+                print(f"[train] max_train_seconds={cfg.max_train_seconds:.0f} spent: saved step {step} of {total}; "
+                      "rerun the same command to resume", file=sys.stderr)
+                return
             if stop["flag"]:
                 print(f"[train] SIGTERM: saved step {step}; rerun the same command to resume", file=sys.stderr)
                 raise SystemExit(143)
@@ -363,13 +394,24 @@ def train(cfg: TrainConfig, workdir: str) -> None:
 
 
 def restore_params(cfg: TrainConfig, workdir: str, target):
-    """(DrafterConfig, trained Drafter) from the latest checkpoint."""
+    """The trained Drafter from the workdir's latest checkpoint; a workdir without one, whose
+    `init_from` names an exported drafter (one trained on another machine and brought back as
+    its export, say), gives that drafter, for the calibrate and export stages."""
     import orbax.checkpoint as ocp
 
+    ckpt = os.path.abspath(os.path.join(workdir, "ckpt"))
+    if cfg.init_from and not os.path.isdir(os.path.join(cfg.init_from, "ckpt")) and (
+            not os.path.isdir(ckpt) or ocp.CheckpointManager(ckpt).latest_step() is None):
+        from dspark_jax.io import drafter_io
+
+        drafter = drafter_io.load_drafter(cfg.init_from)
+        drafter.cfg.check_compatible(target.cfg)
+        print(f"[{workdir}] no checkpoint: the exported drafter init_from={cfg.init_from!r}", file=sys.stderr)
+        return drafter
     dcfg = drafter_config(cfg, target)
     model = _init_drafter(cfg, dcfg, workdir)
     dgraph, params, rest = ts.split_drafter(model)
-    mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")))
+    mgr = ocp.CheckpointManager(ckpt)
     step = mgr.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}/ckpt: run the train stage first")

@@ -147,10 +147,20 @@ _PACKAGE_MODULES = (
 _DOC_TAILS = re.compile(r"\n\s*(Examples?|References|See Also|Notes|Warnings?)\n\s*-{3,}|\n\s*>>>")
 
 
-def _stdlib_prompts(modules, seen: set, trim: bool = False) -> Iterator[str]:
+# Other asks over the same functions (`pytests`, `pycode-alt`): new prompts, and so new answers,
+# for the code sources without new functions.
+_TEST_ASKS = (
+    "Write pytest unit tests for the following Python function, covering typical inputs and edge "
+    "cases.\n```python\n{code}\n```",
+    "Write unit tests with the `unittest` module for this function:\n```python\n{code}\n```",
+)
+
+
+def _stdlib_prompts(modules, seen: set, trim: bool = False, asks=_CODE_ASKS, shift: int = 0) -> Iterator[str]:
     """Code prompts from `modules`' public functions and methods with a docstring of ≥ 60
     characters, skipping (name, docstring) pairs already in `seen` (which it extends). `trim`
-    cuts each docstring before its examples, references, notes and doctests."""
+    cuts each docstring before its examples, references, notes and doctests; each prompt wraps
+    the function in one of `asks` (rotating, offset by `shift`)."""
     import importlib
     import inspect
     import textwrap
@@ -187,7 +197,7 @@ def _stdlib_prompts(modules, seen: set, trim: bool = False) -> Iterator[str]:
             code = f"class {cls}:\n" + textwrap.indent(body, "    ") if cls else body
             if name.split(".")[0] not in ("typing",):
                 code = f"import {name.split('.')[0]}\n\n\n" + code
-            yield _CODE_ASKS[len(seen) % len(_CODE_ASKS)].format(code=code.rstrip())
+            yield asks[(len(seen) + shift) % len(asks)].format(code=code.rstrip())
 
 
 def _pystdlib(more: bool = False, packages: bool = False) -> Iterator[str]:
@@ -205,6 +215,15 @@ def _pystdlib(more: bool = False, packages: bool = False) -> Iterator[str]:
     for _ in extra:
         pass
     yield from _stdlib_prompts(_PACKAGE_MODULES, seen, trim=True)
+
+
+def _pycode_variants(asks, shift: int) -> Iterator[str]:
+    """The functions of `pystdlib`, `pystdlib-more` and `pypackages`, in that order and with the
+    same de-duplication, under other asks."""
+    seen: set = set()
+    yield from _stdlib_prompts(_STDLIB_MODULES, seen, asks=asks, shift=shift)
+    yield from _stdlib_prompts(_STDLIB_MORE_MODULES, seen, asks=asks, shift=shift)
+    yield from _stdlib_prompts(_PACKAGE_MODULES, seen, trim=True, asks=asks, shift=shift)
 
 
 def _mathgen(n: int = 4000, seed: int = 0) -> Iterator[str]:
@@ -278,7 +297,7 @@ def _jsonl(path: str) -> Iterator[list[dict]]:
 
 def iter_prompts(source: str) -> Iterator[list[dict]]:
     """Chat prompts from a named source ('sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more',
-    'pypackages', 'mathgen') or a local JSONL path."""
+    'pypackages', 'pytests', 'pycode-alt', 'mathgen') or a local JSONL path."""
     if source == "sharegpt":
         yield from ([{"role": "user", "content": t}] for t in _sharegpt())
     elif source == "humaneval":
@@ -287,6 +306,10 @@ def iter_prompts(source: str) -> Iterator[list[dict]]:
         yield from ([{"role": "user", "content": t}] for t in _pystdlib(more=source == "pystdlib-more"))
     elif source == "pypackages":
         yield from ([{"role": "user", "content": t}] for t in _pystdlib(packages=True))
+    elif source == "pytests":
+        yield from ([{"role": "user", "content": t}] for t in _pycode_variants(_TEST_ASKS, 0))
+    elif source == "pycode-alt":
+        yield from ([{"role": "user", "content": t}] for t in _pycode_variants(_CODE_ASKS, 2))
     elif source == "mathgen":
         yield from ([{"role": "user", "content": t}] for t in _mathgen())
     elif os.path.isfile(source):
@@ -294,7 +317,7 @@ def iter_prompts(source: str) -> Iterator[list[dict]]:
     else:
         raise FileNotFoundError(
             f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more', "
-            "'pypackages', 'mathgen' or the path of a JSONL file"
+            "'pypackages', 'pytests', 'pycode-alt', 'mathgen' or the path of a JSONL file"
         )
 
 

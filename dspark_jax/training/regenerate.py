@@ -21,9 +21,11 @@ from dspark_jax.training import records
 
 def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: int = 32,
                max_prompt_tokens: int = 256, max_new_tokens: int = 256, temperature: float = 0.7,
-               top_p: float = 0.8, top_k: int = 20, seed: int = 0, max_batches: int = 0, log=sys.stderr) -> dict:
+               top_p: float = 0.8, top_k: int = 20, seed: int = 0, max_batches: int = 0, max_seconds: float = 0.0,
+               log=sys.stderr) -> dict:
     """Answers `prompts` with `target`, writing shards into `out_dir` (the first `max_batches`
-    batches only, when > 0). Returns counts."""
+    batches only, when > 0; no batch is started after `max_seconds` of this call, when > 0: a
+    time-boxed run, e.g. on a borrowed accelerator, keeps every shard it finished). Returns counts."""
     os.makedirs(out_dir, exist_ok=True)
     encoded = []
     for p in prompts:
@@ -41,6 +43,10 @@ def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: i
         path = os.path.join(out_dir, f"shard-{b:05d}.array_record")
         if os.path.exists(path):
             continue
+        if max_seconds > 0 and time.perf_counter() - t0 > max_seconds:
+            print(f"[data] time budget of {max_seconds:.0f} s spent: stopping after {written} new batches "
+                  f"({b} of {n_batches} done)", file=log, flush=True)
+            break
         batch = encoded[b * batch_size:(b + 1) * batch_size]
         sampling = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                    max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + b * batch_size + i)

@@ -155,6 +155,81 @@ def test_tiny_end_to_end_loss_falls_tau_rises(tiny_data, tmp_path):
     assert len(trained) > 5
     for k in trained:
         np.testing.assert_array_equal(got[k], np.asarray(exported[k.replace("/", ".")], np.float32), err_msg=k)
+    # A workdir with no checkpoint exports (and calibrates) the exported drafter `init_from`
+    # names: a drafter trained elsewhere and brought back as its export.
+    rc, err = _run_here(tmp_path / "again", "--set", f"init_from={tmp_path / 'export'}", stage="export")
+    assert rc == 0 and "no checkpoint: the exported drafter" in err, err[-2000:]
+    again = read_drafter_tensors(str(tmp_path / "again" / "export"))
+    assert again.keys() == exported.keys()
+    for k in again:
+        np.testing.assert_array_equal(again[k], exported[k], err_msg=k)
+
+
+def test_time_boxed_stages_keep_what_they_finished(tiny_data, tmp_path, monkeypatch):
+    """`max_regen_seconds` / `max_train_seconds` (a borrowed accelerator's time box): the data
+    stage starts no batch past its budget and keeps the shards it wrote; the train stage saves
+    the step it reached and ends cleanly, and rerunning resumes from there."""
+    import dspark_jax as ds
+    from dspark_jax.training import records
+    from dspark_jax.training import regenerate as regen
+
+    class Clock:  # every reading one second after the last
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            cls.now += 1.0
+            return cls.now
+
+    t = ds.Target.random(ds.ModelConfig.tiny(), seed=0)
+    prompts = [[1, 4 + i, 9] for i in range(6)]
+    with monkeypatch.context() as m:
+        m.setattr(regen, "time", Clock)
+        got = regen.regenerate(t, prompts, str(tmp_path / "regen"), batch_size=2, max_new_tokens=4,
+                               temperature=0.0, max_seconds=1.5)
+    assert got["batches"] == 3
+    assert [os.path.basename(p) for p in records.shard_paths(str(tmp_path / "regen"))] == ["shard-00000.array_record"]
+
+    _copy_data(tiny_data, tmp_path)
+    rc, err = _run_here(tmp_path, "--set", "max_train_seconds=1e-9")
+    assert rc == 0 and "max_train_seconds=0 spent: saved step 1 of" in err, err[-2000:]
+    assert (tmp_path / "ckpt" / "1").exists()
+    rc, err = _run_here(tmp_path)
+    assert rc == 0 and "resumed from step 1" in err
+    assert _metrics(tmp_path)[-1]["step"] > 1 and "wall_s" in _metrics(tmp_path)[-1]
+
+
+def test_prompts_stage_writes_the_split_it_reads_back(tmp_path, smollm2):
+    """`--stage prompts` writes the config's prompts (those that fit `max_prompt_tokens`) as
+    JSONL; a run that names that file as its only source gets the same training and held-out
+    prompts (the held-out split is a hash of each prompt), so a machine without the sources'
+    packages regenerates exactly what this one would."""
+    import contextlib
+    import io
+
+    from dspark_jax.decoding.generate import encode_prompt
+    from train.main import load_config, main
+    from train.stages import _prompts
+
+    sets = ["--set", 'prompt_sources=("mathgen@60","pystdlib@40")', "--set", "heldout_fraction=0.2",
+            "--set", "max_prompt_tokens=160"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["--config", os.path.join(ROOT, "configs", "smollm2_135m.py"), "--workdir", str(tmp_path),
+                   "--stage", "prompts", *sets])
+    assert rc == 0, err.getvalue()[-2000:]
+    cfg = load_config(os.path.join(ROOT, "configs", "smollm2_135m.py")).with_overrides(sets[1::2])
+    train, held = _prompts(cfg, None)
+    fits = [p for p in train + held if len(encode_prompt(smollm2, p)) <= 160]
+    assert 0 < len(fits) < len(train) + len(held) and held  # some pystdlib prompts are too long
+    path = tmp_path / "prompts.jsonl"
+    back_train, back_held = _prompts(cfg.replace(prompt_sources=(str(path),)), None)
+    key = json.dumps
+    assert sorted(map(key, back_train + back_held)) == sorted(map(key, fits))
+    assert sorted(map(key, back_held)) == sorted(key(p) for p in held if p in fits)
+    # Token-id prompts have no text to write.
+    rc, err = _run_here(tmp_path / "tiny", stage="prompts")
+    assert rc == 2 and "token-id prompts" in err
 
 
 def _final_params(workdir):

