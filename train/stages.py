@@ -399,22 +399,21 @@ def restore_params(cfg: TrainConfig, workdir: str, target):
     its export, say), gives that drafter, for the calibrate and export stages."""
     import orbax.checkpoint as ocp
 
-    ckpt = os.path.abspath(os.path.join(workdir, "ckpt"))
-    if cfg.init_from and not os.path.isdir(os.path.join(cfg.init_from, "ckpt")) and (
-            not os.path.isdir(ckpt) or ocp.CheckpointManager(ckpt).latest_step() is None):
+    mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")))
+    step = mgr.latest_step()
+    if step is None and cfg.init_from and not os.path.isdir(os.path.join(cfg.init_from, "ckpt")):
         from dspark_jax.io import drafter_io
 
+        mgr.close()
         drafter = drafter_io.load_drafter(cfg.init_from)
         drafter.cfg.check_compatible(target.cfg)
         print(f"[{workdir}] no checkpoint: the exported drafter init_from={cfg.init_from!r}", file=sys.stderr)
         return drafter
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}/ckpt: run the train stage first")
     dcfg = drafter_config(cfg, target)
     model = _init_drafter(cfg, dcfg, workdir)
     dgraph, params, rest = ts.split_drafter(model)
-    mgr = ocp.CheckpointManager(ckpt)
-    step = mgr.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir}/ckpt: run the train stage first")
     tx = ts.OptimConfig().optimizer()
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ts.init_state(params, tx))
     restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
