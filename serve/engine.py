@@ -45,7 +45,7 @@ import numpy as np
 from dspark_jax.decoding.decode_config import DecodeConfig
 from dspark_jax.decoding.decode_loop import GenState, decode_loop, request_stop_ids
 from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
-from dspark_jax.decoding.prefill import admit, prefill_one
+from dspark_jax.decoding.prefill import admit, prefill_one, prefill_rows
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
@@ -188,15 +188,11 @@ class Engine:
             self.st = self.st.replace(done=self.st.done.at[req.slot].set(True))
             self._finish(req, "cancelled")
 
-    def chunk_rows(self, n: int) -> int:
-        """Query rows of a prefill chunk of n prompt tokens: the power of two ≥ n (at least
-        16, at most the per-step budget P); each size compiles once per attention window."""
-        return min(next_pow2(n, 16), self.P)
-
     @property
     def chunk_sizes(self) -> list[int]:
-        """Every chunk size `chunk_rows` can return (what a warm-up compiles)."""
-        return sorted({self.chunk_rows(n) for n in (1 << b for b in range(self.P.bit_length()))})
+        """Every query-row count a prefill chunk can run in (`prefill_rows` up to the per-step
+        budget P; what a warm-up compiles, each once per attention window)."""
+        return sorted({prefill_rows(n, self.P) for n in range(1, self.P + 1)})
 
     @property
     def idle(self) -> bool:
@@ -266,19 +262,16 @@ class Engine:
             # P prompt tokens per step in all, so a long prompt takes several steps while the
             # other slots keep decoding; each chunk costs its own rows against its own context.
             n = min(len(req.prompt_ids) - req.prefilled, self.P - used)
-            # The chunk's query rows are its own, rounded up to a power of two (≥ 16): a short
+            # The chunk's query rows are its own (`prefill_rows`: 16, 32, 48, 64, 96, …): a short
             # prompt pays for its tokens, not for the step's whole budget P.
-            rows = self.chunk_rows(n)
             # The cache is sized to the decode window: grown here when this prompt needs more.
             # The chunk runs on its row cut to the prompt's own window (`prefill_one`).
             window = pick_window(self.windows, req.prefilled + n)
             if cache.length < self._cache_len(req.prefilled + n):
                 cache = cache.resized(self._cache_len(req.prefilled + n))
-            tokens = np.zeros(rows, np.int32)
-            tokens[:n] = req.prompt_ids[req.prefilled: req.prefilled + n]
             logits[slot], cache, dcache = prefill_one(
-                self.target.graphdef, self.target.state, self.drafter, self.dparams, cache, dcache, jnp.int32(slot),
-                jnp.asarray(tokens), jnp.int32(n), jnp.int32(req.prefilled), chunk=rows, kv_window=window)
+                self.target.graphdef, self.target.state, self.drafter, self.dparams, cache, dcache, slot,
+                req.prompt_ids[req.prefilled: req.prefilled + n], req.prefilled, max_rows=self.P, kv_window=window)
             chunk[slot] = True
             used += n
             req.prefilled += n

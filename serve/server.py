@@ -265,10 +265,10 @@ def warmup(engine, target, full: bool = False):
     t0 = time.perf_counter()
     unit = target.tokenizer.encode("Hello world. ") if target.tokenizer is not None else [1]
     new = min(2 * engine.cycles_per_step, engine.max_new_tokens)
-    # One prompt per prefill chunk size (a chunk of n tokens runs in the next power of two of
-    # rows), all inside the first attention window.
-    lengths = sorted({len(unit)} | {max(len(unit), c // 2 + 1) for c in engine.chunk_sizes
-                                    if c // 2 + 1 + new + engine.K + 1 <= min(engine.windows or [engine.T])})
+    # One prompt per prefill chunk size (a chunk of exactly c tokens runs in c rows), all inside
+    # the first attention window.
+    lengths = sorted({len(unit)} | {max(len(unit), c) for c in engine.chunk_sizes
+                                    if c + new + engine.K + 1 <= min(engine.windows or [engine.T])})
     if full:  # a prompt that just crosses into each larger window
         bounds = [w for w in engine.windows if w is not None]
         lengths += [b - engine.K for b in bounds if b - engine.K + new + engine.K + 1 <= engine.T]

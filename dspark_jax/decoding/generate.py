@@ -286,17 +286,13 @@ def _prefill(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _P
                        kv_window=pick_window(plan.windows, int(lens.max())))
     # One request at a time, each into its own cache row: cost Σ over the prompts (the
     # batched program's [S, chunk] query grid grows with S²). Each prompt runs in its own
-    # buckets — query rows rounded up to a power of two, the attention window that holds
-    # it — so a short prompt never pays for the batch's longest (one program per bucket).
+    # buckets — query rows of its own pieces (`prefill_pieces`), the attention window that
+    # holds it — so a short prompt never pays for the batch's longest (one program per bucket).
     cache, dcache = st.cache, st.dcache
     last = []
     for i, x in enumerate(ids):
-        qx = min(next_pow2(len(x), 16), plan.q_prefill)
-        buf = np.zeros(qx, np.int32)
-        buf[: len(x)] = x
-        lg, cache, dcache = prefill_one(target.graphdef, target.state, drafter, dparams, cache, dcache,
-                                        jnp.int32(i), jnp.asarray(buf), jnp.int32(len(x)),
-                                        chunk=min(plan.chunk, qx), kv_window=pick_window(plan.windows, len(x)))
+        lg, cache, dcache = prefill_one(target.graphdef, target.state, drafter, dparams, cache, dcache, i, x,
+                                        max_rows=plan.chunk, kv_window=pick_window(plan.windows, len(x)))
         last.append(lg)
     logits = jnp.stack(last + [jnp.zeros_like(last[0])] * (S - B))
     return start_decoding(st.replace(cache=cache, dcache=dcache), logits, jnp.asarray(lens), sa)

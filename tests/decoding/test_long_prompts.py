@@ -76,3 +76,20 @@ def test_per_request_prefill_equals_batched(target, temperature):
         bat = ds.generate(target, ps, drafter=d, sampling=sp, prefill_chunk=64, batched_prefill=True)
         assert per.token_ids == bat.token_ids
         assert per.stats["cycles"] == bat.stats["cycles"]
+
+
+def test_prefill_pieces_cover_the_prompt_with_little_padding():
+    """Every prompt length gets pieces that hold it: full `max_rows` pieces, then one piece from
+    the 16, 32, 48, 64, 96, 128, 192, … ladder, padded by less than a third of its rows."""
+    from dspark_jax.decoding.prefill import prefill_pieces, prefill_rows
+
+    ladder = {16, 32, 48, 64, 96, 128, 192, 256, 384, 512}
+    assert [prefill_rows(n, 512) for n in (1, 16, 17, 33, 48, 49, 65, 96, 97, 129, 200, 385)] == [
+        16, 16, 32, 48, 48, 64, 96, 96, 128, 192, 256, 512]
+    for n in range(1, 1300):
+        pieces = prefill_pieces(n, 512)
+        assert all(p == 512 for p in pieces[:-1]) and pieces[-1] in ladder
+        pad = sum(pieces) - n
+        assert 0 <= pad < max(16, pieces[-1] / 3 + 1)
+    assert prefill_pieces(300, 48) == [48] * 6 + [16]  # a chunk cap the ladder does not hold
+    assert prefill_pieces(5, 1) == [1] * 5
