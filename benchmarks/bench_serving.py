@@ -51,9 +51,9 @@ HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p
            "ITL ms mean/p50/p99", "τ", "failed", "compiles"]
 
 
-def server_args(drafter: str, slots: int, max_tokens: int, max_len: int) -> list[str]:
+def server_args(drafter: str, slots: int, max_tokens: int, max_len: int, warmup: str = "short") -> list[str]:
     return ["--drafter", drafter, "--slots", str(slots), "--max-len", str(max_len),
-            "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64)]
+            "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64), "--warmup", warmup]
 
 
 def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
@@ -184,10 +184,15 @@ def main(argv=None):
     ap.add_argument("--max-prompt-chars", type=int, default=600)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--warmup", choices=("short", "full"), default="short",
+                    help="the server's warm-up before timing; 'full' also compiles (and profiles the step-rate "
+                         "table at) every attention window, as `serve.server --warmup full` does")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     ap.add_argument("--logdir", default="/tmp/bench_serving")
     args = ap.parse_args(argv)
+    import jax
+
     import dspark_jax as ds
     from serve.bench import heldout_prompts
     from serve.server import build_parser as server_parser
@@ -203,9 +208,9 @@ def main(argv=None):
     for C in concs:
         prompts = heldout_prompts(args.prompts_per_slot * C, args.max_prompt_chars, seed=0)
         for name in names:
-            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len)
+            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup)
             engine = make_engine(server_parser().parse_args(sargs), target, load_drafter(CONFIGS[name], target))
-            warmup(engine, target)
+            warmup(engine, target, full=args.warmup == "full")
             cell = {"library": [], "http": []}
             port = None
             proc = None
@@ -224,6 +229,11 @@ def main(argv=None):
                 if proc is not None:
                     stop_server(proc)
             del engine
+            # Each cell compiles its own engine's programs; dropping them keeps the process's
+            # memory maps bounded (XLA:CPU maps ~130-280 code/data pages per program, and a run of
+            # many cells crossed Linux's default 65,530 maps: "LLVM compilation error: Cannot
+            # allocate memory", then a segfault).
+            jax.clear_caches()
             results[f"{name}@{C}"] = cell
             for mode in ("library", "http"):
                 reps = cell[mode]
