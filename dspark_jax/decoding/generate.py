@@ -30,7 +30,7 @@ from dspark_jax.decoding.decode_loop import (
     stop_id_table,
     take_slots,
 )
-from dspark_jax.decoding.prefill import prefill, prefill_one, start_decoding
+from dspark_jax.decoding.prefill import next_pow2, prefill, prefill_one, start_decoding
 from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
@@ -68,11 +68,6 @@ class GenerationOutput:
     texts: list[str]
     token_ids: list[list[int]]
     stats: GenerationStats
-
-
-def next_pow2(n: int, minimum: int = 1) -> int:
-    n = max(int(n), minimum)
-    return 1 << (n - 1).bit_length()
 
 
 MIN_WINDOW = 256  # smallest attention window (cache-length bucket); windows double up to the cache
