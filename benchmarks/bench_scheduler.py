@@ -29,6 +29,9 @@ POLICIES = {
     "threshold 0.5": dict(policy="threshold", threshold=0.5),
     "sync": dict(policy="dspark", scheduler="sync"),
     "async": dict(policy="dspark", scheduler="async"),
+    # The async budget by the batch's tokens/s, as the serving engine weighs it (generate()'s
+    # static batch weighs by its slowest request: `DecodeConfig.makespan`).
+    "async tokens/s": dict(config=ds.DecodeConfig(policy="dspark", scheduler="async", makespan=False)),
 }
 
 

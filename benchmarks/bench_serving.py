@@ -51,9 +51,11 @@ HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p
            "ITL ms mean/p50/p99", "τ", "failed", "compiles"]
 
 
-def server_args(drafter: str, slots: int, max_tokens: int, max_len: int, warmup: str = "short") -> list[str]:
+def server_args(drafter: str, slots: int, max_tokens: int, max_len: int, warmup: str = "short",
+                weight_dtype: str | None = None) -> list[str]:
     return ["--drafter", drafter, "--slots", str(slots), "--max-len", str(max_len),
-            "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64), "--warmup", warmup]
+            "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64), "--warmup", warmup,
+            *(["--weight-dtype", weight_dtype] if weight_dtype else [])]
 
 
 def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
@@ -149,7 +151,7 @@ def fmt_lat(s: dict) -> str:
     return f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p99']:.0f}"
 
 
-def plot_throughput(results: dict, names, concs, path: str) -> None:
+def plot_throughput(results: dict, names, concs, path: str, weights: str = "fp32") -> None:
     """Output tokens/s against concurrency, one line per configuration and mode that ran
     (`results` as in the JSON: "name@C" → {"library": [...], "http": [...]})."""
     import matplotlib
@@ -168,7 +170,7 @@ def plot_throughput(results: dict, names, concs, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency (= slots)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("SmolLM2-135M fp32, 2-core CPU")
+    ax.set_title(f"SmolLM2-135M, {weights} weights, 2-core CPU")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -187,6 +189,9 @@ def main(argv=None):
     ap.add_argument("--warmup", choices=("short", "full"), default="short",
                     help="the server's warm-up before timing; 'full' also compiles (and profiles the step-rate "
                          "table at) every attention window, as `serve.server --warmup full` does")
+    ap.add_argument("--weight-dtype", default=None,
+                    help="bfloat16: the server's --weight-dtype (bf16 weights under float32 arithmetic; on CPUs with "
+                         "AMX / AVX512-BF16 a step of many tokens costs about what one does)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     ap.add_argument("--logdir", default="/tmp/bench_serving")
@@ -202,13 +207,13 @@ def main(argv=None):
     concs = [int(c) for c in args.concurrency.split(",")]
     names = args.configs.split(",")
     print(f"# {hardware()}; {machine_load()} at start", flush=True)
-    target = ds.load_target("smollm2-135m")
+    target = ds.load_target("smollm2-135m", weight_dtype=args.weight_dtype)
     results = {}
     rows = []
     for C in concs:
         prompts = heldout_prompts(args.prompts_per_slot * C, args.max_prompt_chars, seed=0)
         for name in names:
-            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup)
+            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup, args.weight_dtype)
             engine = make_engine(server_parser().parse_args(sargs), target, load_drafter(CONFIGS[name], target))
             warmup(engine, target, full=args.warmup == "full")
             cell = {"library": [], "http": []}
@@ -244,12 +249,12 @@ def main(argv=None):
                 if mode == "http" and cell["library"]:
                     ratio = f"{median(tput) / median([x['output_throughput'] for x in cell['library']]):.2f}"
                 last = reps[-1]
-                tau = "–" if last["tau"] is None else f"{last['tau']:.2f}"
+                tau = "–" if last["tau"] is None else " / ".join(f"{x['tau']:.2f}" for x in reps)
                 fails = sum(x["failed"] for x in reps)
                 rows.append([C, name, mode, f"{median(tput):.1f}" + (f" ({min(tput):.1f}–{max(tput):.1f})"
                                                                      if len(tput) > 1 else ""),
                              ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),
-                             tau, fails, f"{last['server_compiles']:.0f}"])
+                             tau, fails, " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
             print(table(HEADERS, rows[-2:]), flush=True)
     print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
           f"ShareGPT prompts, C slots, C in flight\n")
@@ -259,7 +264,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1, default=float)
     if args.png:
-        plot_throughput(results, names, concs, args.png)
+        plot_throughput(results, names, concs, args.png, args.weight_dtype or "float32")
 
 
 if __name__ == "__main__":

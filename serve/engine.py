@@ -194,6 +194,19 @@ class Engine:
         budget P; what a warm-up compiles, each once per attention window)."""
         return sorted({prefill_rows(n, self.P) for n in range(1, self.P + 1)})
 
+    def compile_cache_moves(self) -> None:
+        """Compiles the target cache's moves between every two of its lengths (the windows and
+        T): `step` grows the cache when a context crosses into a larger window and cuts it
+        when the long requests are gone, and each move is a program of its own. Walks the live
+        cache through them (no second cache at any time)."""
+        lengths = sorted({self._cache_len(w) for w in self.windows if w is not None} | {self.T})
+        cache, start = self.st.cache, self.st.cache.length
+        for a in lengths:
+            for b in lengths:
+                if a != b:
+                    cache = cache.resized(a).resized(b)
+        self.st = self.st.replace(cache=jax.block_until_ready(cache.resized(start)))
+
     @property
     def idle(self) -> bool:
         return not self.queue and not self.running
@@ -292,9 +305,11 @@ class Engine:
             self.sa = self._sampling_arrays()
         V = self.target.cfg.vocab_size
         logits_SV = jnp.stack([lg if lg is not None else jnp.zeros((V,), jnp.float32) for lg in logits])
-        self.st = admit(self.st.replace(cache=cache, dcache=dcache), logits_SV, jnp.asarray(seq_len),
-                        jnp.asarray(chunk), jnp.asarray(final), jnp.asarray(max_new), request_keys(seeds),
-                        jnp.asarray(stop_ids), self.sa)
+        # Admission reads and writes no cache: they stay out of its program, which therefore
+        # does not depend on the cache's current length (one program, not one per window).
+        st = admit(self.st.replace(cache=None, dcache=None), logits_SV, jnp.asarray(seq_len), jnp.asarray(chunk),
+                   jnp.asarray(final), jnp.asarray(max_new), request_keys(seeds), jnp.asarray(stop_ids), self.sa)
+        self.st = st.replace(cache=cache, dcache=dcache)
         for slot in np.flatnonzero(final):
             self.running[int(slot)].status = "running"
         self._collect()  # first tokens (and requests that stop on them)

@@ -123,6 +123,8 @@ class Metrics:
                 ("dspark_drafts_verified_total", self.verified, "Draft tokens sent to verification, all requests."),
                 ("dspark_engine_errors_total", self.engine_errors, "Engine steps that raised."),
                 ("dspark_xla_compiles_total", compiles, "XLA backend compilations in this process."),
+                ("dspark_compiled_program_drops_total", extra.get("program_drops", 0),
+                 "Times every compiled program was dropped because the process neared vm.max_map_count."),
             ]:
                 head(name, "counter", text)
                 L.append(f"{name} {v}")
@@ -136,7 +138,12 @@ class Metrics:
                 ("dspark_queued_requests", extra["queued"], "Accepted requests waiting for a slot."),
                 ("dspark_slots", extra["slots"], "Engine slots."),
                 ("dspark_max_queue", extra["max_queue"], "Queued requests beyond the slots before 429."),
+                ("dspark_memory_maps", extra.get("memory_maps"),
+                 "Memory maps this process holds (XLA:CPU maps pages per compiled program), at the last compile."),
+                ("dspark_memory_maps_limit", extra.get("memory_maps_limit"), "The kernel's vm.max_map_count."),
             ]:
+                if v is None:  # not Linux
+                    continue
                 head(name, "gauge", text)
                 L.append(f"{name} {v}")
             for name, h, text in [

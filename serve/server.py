@@ -107,8 +107,10 @@ class Server:
         @app.get("/metrics")
         async def metrics():
             running, queued = server.worker.load()
+            maps = server.worker.maps
             text = server.metrics.render({"slots": server.engine.S, "max_queue": server.max_queue,
-                                          "running": running, "queued": queued})
+                                          "running": running, "queued": queued, "memory_maps": maps.used,
+                                          "memory_maps_limit": maps.limit, "program_drops": maps.clears})
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         @app.get("/v1/models")
@@ -259,8 +261,11 @@ def make_engine(args, target, drafter):
 def warmup(engine, target, full: bool = False):
     """Compiles admission and the decode loop before any client waits: a greedy and a sampled
     request (greedy-only batches run a program of their own), at the first attention window or,
-    with `full`, at every window of the cache (a long prompt each)."""
+    with `full`, at every window of the cache (a long prompt each); then the cache's moves
+    between windows. Drops the compiled programs rather than crash if the process nears the
+    kernel's memory-map limit (`MapGuard`)."""
     import dspark_jax as ds
+    from dspark_jax.decoding.compile_stats import MapGuard
 
     t0 = time.perf_counter()
     unit = target.tokenizer.encode("Hello world. ") if target.tokenizer is not None else [1]
@@ -272,14 +277,19 @@ def warmup(engine, target, full: bool = False):
     if full:  # a prompt that just crosses into each larger window
         bounds = [w for w in engine.windows if w is not None]
         lengths += [b - engine.K for b in bounds if b - engine.K + new + engine.K + 1 <= engine.T]
+    guard = MapGuard()  # a warm-up of many windows must not crash the process either
     for n in lengths:
         ids = (unit * (n // len(unit) + 1))[:n]
         for temp in (0.0, 0.7):
             engine.submit(ids, ds.SamplingParams(temperature=temp, seed=0, ignore_eos=True, max_new_tokens=new))
             engine.run()
+            guard.check()
     engine.finished.clear()
-    log.info("warm-up (%d prompt lengths, greedy and sampled) done in %.1f s", len(lengths),
-             time.perf_counter() - t0)
+    engine.compile_cache_moves()
+    guard.check()
+    log.info("warm-up (%d prompt lengths, greedy and sampled) done in %.1f s%s", len(lengths),
+             time.perf_counter() - t0, "" if guard.used is None else
+             f"; the process holds {guard.used} of the kernel's {guard.limit} memory maps")
 
 
 def main(argv=None) -> int:

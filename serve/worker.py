@@ -57,6 +57,11 @@ class EngineThread:
         self.outstanding = 0  # accepted and not yet out of the engine
         self._stop = False
         self.error: str | None = None
+        from dspark_jax.decoding.compile_stats import MapGuard
+
+        # A long-lived process that keeps meeting new shapes must not run out of memory maps.
+        self.maps = MapGuard()
+        self.maps.check()
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self):
@@ -111,6 +116,7 @@ class EngineThread:
                 except Exception:  # noqa: BLE001 — a failed step must not kill the server
                     self._fail_all(traceback.format_exc())
                 self.metrics.observe(self.metrics.step_s, time.perf_counter() - t0)
+                self.maps.check()
             self._sweep()
 
     def _submit(self, job: Job):

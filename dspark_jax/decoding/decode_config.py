@@ -35,7 +35,10 @@ class DecodeConfig:
     covers the active contexts (256 positions, doubling). `compact_slots` (generate, fixed /
     ar): finished requests leave the slot bucket. `chunk_cycles`: cycles per host round trip
     when stop strings are set. `prefill_chunk`: prompt tokens per prefill step of a request.
-    `batched_prefill`: the older single prefill program over all prompts (for comparison)."""
+    `batched_prefill`: the older single prefill program over all prompts (for comparison).
+    `makespan` (generate, async scheduler): a static batch returns when its slowest request is
+    done, so the budget weighs a step by the progress of the slots that could finish last
+    (False: by the batch's tokens/s, as the serving engine does)."""
 
     policy: str | None = None
     num_draft: int | None = None
@@ -46,6 +49,7 @@ class DecodeConfig:
     chunk_cycles: int = 16
     prefill_chunk: int = 512
     batched_prefill: bool = False
+    makespan: bool = True
 
     def __post_init__(self):
         if self.policy not in POLICIES:

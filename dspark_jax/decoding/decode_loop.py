@@ -75,6 +75,11 @@ class LoopSettings:
     # anything. 0: never.
     compact_at: int = 0
     compact_min_tokens: int = 32
+    # A static batch (`generate()`) ends with its slowest request: the async budget then
+    # weighs a step by the progress of the slots that could finish last (those within K
+    # tokens of the most tokens to go), and only they draft. The serving engine, whose free
+    # slots take the next request at once, maximises tokens/s (False).
+    makespan: bool = False
     # Calibration (fixed policy only): the drafter reports its confidence logits before STS
     # (`draft(raw_confidence=True)`), and `prev_conf` records them per cycle.
     raw_confidence: bool = False
@@ -404,7 +409,15 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
                 f_scale_K = jnp.where(jnp.arange(K)[None] == 0, f_scale[:, None], 1.0)
                 f_pred = jnp.clip(f_conf[:, :K].astype(jnp.float32) * f_scale_K, 0.0, 1.0)
                 pred = jnp.where(foreseen[:, None], f_pred, pred)
-            u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate)
+            critical = None
+            if settings.makespan:
+                # The slots that could be the batch's last to finish; the others do not draft
+                # (their caps come from the committed counts, not from any draft: lossless).
+                togo = jnp.where(active, remaining, 0)
+                critical = active & (togo >= jnp.max(togo) - K)
+                caps = jnp.where(critical, caps, 0)
+            u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate,
+                             critical_S=critical)
             drafted = u >= 0
             d_tok, d_logits, conf = jax.lax.cond(drafted, draft, no_draft)
         else:

@@ -335,7 +335,8 @@ def _run(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _Plan,
         # window of a longer cache would copy that window out every step (KVCache).
         st = st.replace(cache=st.cache.resized(window or plan.T))
         n_slots = len(rows)
-        loop = dataclasses.replace(settings, kv_window=window, compact_at=n_slots // 2 if compact else 0)
+        loop = dataclasses.replace(settings, kv_window=window, compact_at=n_slots // 2 if compact else 0,
+                                   makespan=config.makespan and settings.policy == "async")
         st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,
                          jnp.int32(max_cycles), sched, settings=loop)
         done = np.array(st.done)  # a writable copy: np.asarray of a jax.Array is read-only

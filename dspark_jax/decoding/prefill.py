@@ -183,7 +183,9 @@ def admit(st: GenState, logits_SV, seq_len_S, chunk_S, final_S, max_new_S, keys_
     """The serving engine's admission, after `prefill_one` filled each admitted slot's chunk
     of prompt into `st`'s caches: slots in `chunk_S` now hold `seq_len_S` tokens; those in
     `final_S` (their prompt is complete) sample their first token from `logits_SV` and start
-    decoding with fresh per-slot state. Every other slot is untouched."""
+    decoding with fresh per-slot state. Every other slot is untouched. Touches no cache: the
+    engine passes `st` without them (cache and dcache None), so the program does not depend
+    on the cache's length."""
     S = seq_len_S.shape[0]
     zeros = jnp.zeros((S,), jnp.int32)
     logits = logits_SV

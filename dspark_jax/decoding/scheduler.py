@@ -115,21 +115,39 @@ def _fill_count(n_admit, avail_sorted_C, S, buckets):
     return jnp.clip(cap, n_admit, jnp.sum(avail_sorted_C))
 
 
-def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int], skip_rate=None):
+def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int], skip_rate=None,
+                 critical_S=None):
     """The bucket for this step from *earlier* confidences (never this step's drafts).
 
     Unconstrained search over the buckets: Θ_u = (S + top-(N_u − S) predicted survival) ·
     SPS_u. With `skip_rate` (the rate of a step that does not draft at all), returns −1
     when skipping drafting beats every bucket: a useless drafter then costs nothing.
+
+    With `critical_S` (a static batch that ends with its slowest request: the slots that
+    could be the last to finish), a step's worth is the progress of the slowest critical
+    slot, not the batch's sum: Θ_u = S · min over critical r of (1 + Σ admitted a_r) · SPS_u
+    (the same units as S · skip_rate). Drafting that speeds up some requests while the
+    batch waits for the others is then worth nothing; with one slot it is the same objective.
     """
     a_pred = survival(prev_conf_SG)
-    avail = active_S[:, None] & (jnp.arange(a_pred.shape[1])[None] < caps_S[:, None])
-    _, a_sorted, avail_sorted = _rank_order(a_pred, avail)
+    S_all, G = a_pred.shape
+    avail = active_S[:, None] & (jnp.arange(G)[None] < caps_S[:, None])
+    order, a_sorted, avail_sorted = _rank_order(a_pred, avail)
     S = jnp.sum(active_S).astype(jnp.int32)
     csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
     n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, a_sorted.shape[0])
     fits = jnp.asarray(buckets, jnp.int32) >= S
-    theta_U = jnp.where(fits, (S + csum[n_u]) * jnp.asarray(rates_U, jnp.float32), -1.0)
+    if critical_S is None:
+        worth_U = S + csum[n_u]
+    else:
+        # Each slot's expected progress when bucket u admits the first n_u candidates.
+        M = a_sorted.shape[0]
+        rank_C = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # j-major flat
+        a_C = jnp.where(avail, a_pred, 0.0).T.reshape(-1)
+        gain_US = jnp.where(rank_C[None] < n_u[:, None], a_C[None], 0.0).reshape(len(buckets), G, S_all).sum(1)
+        slowest_U = jnp.min(jnp.where(critical_S[None], 1.0 + gain_US, jnp.inf), axis=1)
+        worth_U = S * jnp.where(jnp.any(critical_S), slowest_U, 1.0)
+    theta_U = jnp.where(fits, worth_U * jnp.asarray(rates_U, jnp.float32), -1.0)
     u = jnp.argmax(theta_U).astype(jnp.int32)  # first maximum: the smallest such bucket
     if skip_rate is not None:
         u = jnp.where(S * jnp.asarray(skip_rate, jnp.float32) >= theta_U[u], -1, u)

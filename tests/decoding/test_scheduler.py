@@ -234,6 +234,20 @@ def test_async_budget_comes_from_the_previous_confidences():
     assert int(sch.async_budget(good, active, caps, rates, buckets)) == 2
     # Useless drafter: not drafting (rate 1.2 without the draft model) beats every bucket.
     assert int(sch.async_budget(bad, active, caps, rates, buckets, skip_rate=1.2)) == -1
+    # A static batch waits for its slowest request: with half the slots hopeless, drafting
+    # for the other half is worth tokens/s but not time to the end of the batch.
+    mixed = jnp.where(jnp.arange(R)[:, None] < 2, good, bad)
+    assert int(sch.async_budget(mixed, active, caps, rates, buckets, skip_rate=1.0)) == 1  # (4 + 3.7)·.8 > 4
+    assert int(sch.async_budget(mixed, active, caps, rates, buckets, skip_rate=1.0, critical_S=active)) == -1
+    # ... unless the hopeless ones are not the last to finish: then it is worth it again.
+    ahead = jnp.arange(R) < 2
+    u = int(sch.async_budget(mixed, active, jnp.where(ahead, caps, 0), rates, buckets, skip_rate=1.0,
+                             critical_S=ahead))
+    assert u >= 0
+    # With every slot critical and equally confident it is the throughput objective.
+    for conf in (good, bad, jnp.full((R, G), 0.6)):
+        assert int(sch.async_budget(conf, active, caps, rates, buckets, skip_rate=0.9, critical_S=active)) == int(
+            sch.async_budget(conf, active, caps, rates, buckets, skip_rate=0.9))
     # The current confidences choose *which* candidates, never how many.
     cur = jnp.array([[0.1, 0.1, 0.1], [0.99, 0.99, 0.99], [0.5, 0.5, 0.5], [0.2, 0.2, 0.2]])
     ell = np.asarray(schedule(cur, rates, "async", buckets=buckets, prev_confidences=bad))

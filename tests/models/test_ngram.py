@@ -199,6 +199,29 @@ def test_an_overconfident_lookup_prior_is_corrected_online(tiny):
     assert out.stats["drafted_steps"] < 0.4  # uncorrected: 0.49
 
 
+def test_a_static_batch_drafts_only_for_its_slowest_requests(tiny):
+    """generate() returns when its last request is done (`DecodeConfig.makespan`): a request
+    with fewer tokens to go than the longest one minus γ never drafts, however sure its lookup
+    is, while the tokens/s objective (the serving engine's) drafts for it too."""
+    from dspark_jax.decoding.profiling import StepRates
+
+    budgets = (40, 8, 40, 8)
+    sp = [ds.SamplingParams(temperature=0.0, max_new_tokens=m, ignore_eos=True) for m in budgets]
+    ar = ds.generate(tiny["target"], tiny["prompts"], sampling=sp).token_ids
+    table = StepRates(4, (4, 12, 20), 0.0, (1.5, 2.0, 3.0), 1.0)
+    sure = NgramDrafter(block_size=4, confidence=(0.0, 1.0, 1.0, 1.0, 1.0))
+    verified = {}
+    for makespan in (True, False):
+        out = ds.generate(tiny["target"], tiny["prompts"], drafter=sure, sampling=sp, step_rates=table,
+                          config=ds.DecodeConfig(policy="dspark", makespan=makespan))
+        assert out.token_ids == ar
+        verified[makespan] = out.stats["mean_verified"]
+    short = [i for i, m in enumerate(budgets) if m == 8]
+    assert all(verified[True][i] == 0 for i in short)
+    assert sum(verified[False][i] for i in short) > 0
+    assert sum(verified[True]) > 0  # the long requests still draft
+
+
 def test_foresight_is_the_blocks_own_confidence(tiny):
     """What the async scheduler reads before drafting is the confidence the block then has:
     the lookup's prior by match length (0 where nothing matches), known for every row; for

@@ -11,6 +11,7 @@
 Runtime: ~40 s on a shared 2-core CPU (admission + decode-loop compiles).
 """
 
+import jax
 import numpy as np
 import pytest
 from spec_helpers import sharpen
@@ -88,6 +89,21 @@ def test_arrivals_over_time_match_autoregressive(tiny):
     # Warm: another wave, another mix of sampling parameters — nothing compiles.
     c0, _ = compile_stats.snapshot()
     assert [r.tokens for r in wave(1)] == tiny["ar"]
+    assert compile_stats.snapshot()[0] == c0
+
+
+def test_warm_cache_moves_compile_nothing_later(tiny):
+    """The cache moves between windows (grown for a long context, cut when it is gone) are
+    programs of their own; the server's warm-up compiles them all, on the live cache."""
+    eng = Engine(tiny["target"], None, slots=2, max_len=512, max_new_tokens=MAX_NEW, policy="ar")
+    lengths = sorted({*eng.windows, eng.T})
+    assert len(lengths) >= 2 and eng.st.cache.length == lengths[0]
+    eng.compile_cache_moves()
+    assert eng.st.cache.length == lengths[0]  # back where it started
+    c0, _ = compile_stats.snapshot()
+    for a in lengths:
+        for b in lengths:
+            jax.block_until_ready(eng.st.cache.resized(a).resized(b))
     assert compile_stats.snapshot()[0] == c0
 
 

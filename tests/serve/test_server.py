@@ -239,6 +239,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
     assert r.choices[0].text and r.usage.completion_tokens == 4
     m = server.metrics()
     assert m['dspark_http_requests_total{endpoint="/v1/completions",code="400"}'] >= 10
+    if os.path.exists("/proc/self/maps"):  # the memory maps compiled programs hold, far from the limit
+        assert 0 < m["dspark_memory_maps"] < 0.85 * m["dspark_memory_maps_limit"]
+        assert m["dspark_compiled_program_drops_total"] == 0
     assert m['dspark_http_requests_total{endpoint="/v1/completions",code="401"}'] >= 2
 
 
