@@ -89,11 +89,11 @@ class DSparkDrafter(nnx.Module):
         kv = [layer.self_attn.project_kv(h, pos, inv) for layer in self.layers]
         return [k for k, _ in kv], [v for _, v in kv]
 
-    def block_inputs(self, embed_table, anchor_tokens):
-        """[x0, MASK × (γ−1)] for anchors [...] → [..., G, D]."""
+    def block_inputs(self, anchor_rows):
+        """[x0, MASK × (γ−1)] from the anchors' embeddings [..., D] → [..., G, D]."""
         G = self.cfg.block_size
-        x0 = embed_table[anchor_tokens][..., None, :]
-        mask = jnp.broadcast_to(self.mask_embedding[...], anchor_tokens.shape + (G - 1, x0.shape[-1]))
+        x0 = anchor_rows[..., None, :]
+        mask = jnp.broadcast_to(self.mask_embedding[...], anchor_rows.shape[:-1] + (G - 1, x0.shape[-1]))
         return jnp.concatenate([x0, mask.astype(x0.dtype)], -2)
 
     def backbone(self, x_BQD, pos_BQ, ctx_k, ctx_v, mask_BQX):
@@ -130,7 +130,7 @@ def forward_train(drafter: DSparkDrafter, embed_VD, lm_head_DV, feats_BTF, token
     A = anchors_BA.shape[1]
     ctx_k, ctx_v = drafter.context_kv(feats_BTF, jnp.broadcast_to(jnp.arange(T), (B, T)))
     anchor_tok = jnp.take_along_axis(tokens_BT, jnp.clip(anchors_BA, 0, T - 1), 1)
-    x = drafter.block_inputs(embed_VD, anchor_tok).reshape(B, A * G, -1)
+    x = drafter.block_inputs(embed_VD[anchor_tok]).reshape(B, A * G, -1)
     pos = (anchors_BA[..., None] + jnp.arange(G)).reshape(B, A * G)
     mask = training_attention_mask(anchors_BA, T, G)
     h = drafter.backbone(x, pos, ctx_k, ctx_v, mask).reshape(B, A, G, -1)

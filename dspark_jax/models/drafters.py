@@ -187,7 +187,9 @@ class Drafter:
         d = nnx.merge(self.graphdef, params)
         G = self.cfg.block_size
         T = cache.length
-        x = d.block_inputs(target.embed_tokens[...], anchor_S)  # [S, G, D]
+        # The target's own lookup (`Transformer.embed`): a narrower (bf16) table's rows are
+        # gathered as raw bits; indexing it here cost a float32 copy of the whole table per loop call.
+        x = d.block_inputs(target.embed(anchor_S))  # [S, G, D]
         pos = anchor_pos_S[:, None] + jnp.arange(G)
         # Context strictly before the anchor (its features do not exist yet), whole block.
         ctx = jnp.arange(T)[None, None, :] < anchor_pos_S[:, None, None]

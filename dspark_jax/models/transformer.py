@@ -297,31 +297,40 @@ class Transformer(nnx.Module):
     lm_head_layout = "dv"
 
     def narrow_weights(self, dtype):
-        """Stores every matmul weight (projections, embedding, LM head) as `dtype` — bfloat16
-        under float32 activations: `layers.narrow_weight_dot` multiplies them exactly in the
-        activations, so the model computes as the float32 model with bf16-rounded weights."""
+        """Stores every matmul weight (projections, LM head) as `dtype` — bfloat16 under float32
+        activations: `layers.narrow_weight_dot` multiplies them exactly in the activations, so
+        the model computes as the float32 model with bf16-rounded weights.
+
+        The embedding *lookup* table keeps its wide dtype, with bf16-rounded values (a step
+        reads one row of it per token; a tied LM head becomes a narrowed copy of it). Looking
+        rows up in a narrowed table, XLA:CPU moves the convert in front of the gather — onto
+        the whole [V, D] table — and hoists it out of the decode loop: 113 MB written per loop
+        call for SmolLM2, ~28 ms on a 2-core CPU, where the serving engine calls the loop every
+        few cycles (an optimization barrier does not stop it; gathering raw bits still copies
+        the table once per call)."""
         for _, m in nnx.iter_graph(self):
             if isinstance(m, Linear):
                 m.narrow(dtype)
         emb = self.embed_tokens
-        self.embed_tokens = nnx.Param(emb[...].astype(dtype), axes=tuple(emb.get_metadata()["axes"]))
-        if self.lm_head is not None and self.lm_head_layout == "dv":
+        axes = tuple(emb.get_metadata()["axes"])
+        if self.lm_head is None:  # tied: the head is the table's rows, [V, D] as `narrow_weight_dot` reads it
+            self.lm_head = nnx.data(nnx.Param(emb[...].astype(dtype), axes=axes))
+            self.lm_head_layout = "vd"
+        elif self.lm_head_layout == "dv":
             self.lm_head = nnx.Param(self.lm_head[...].T.astype(dtype), axes=("vocab", "embed"))
             self.lm_head_layout = "vd"
+        # The table's values rounded like every other weight, stored wide.
+        self.embed_tokens = nnx.Param(emb[...].astype(dtype).astype(emb[...].dtype), axes=axes)
 
     # The drafter shares these two (frozen) with the target.
     def embed(self, tokens):
         table = self.embed_tokens[...]
         if table.dtype == self.cfg.jnp_dtype:
             return table[tokens]
-        # A narrower (bf16) table: gather its rows as raw bits, then convert them. Gathering the
-        # bf16 values, XLA:CPU moves the convert in front of the gather — onto the whole [V, D]
-        # table, in float32 — and hoists that out of the decode loop: 113 MB written per loop
-        # call for SmolLM2 (~28 ms on a 2-core CPU, where the serving engine calls the loop
-        # every few cycles). Through raw bits it copies the narrow table once per call instead
-        # (57 MB, ~13 ms); neither an optimization barrier (XLA:CPU expands it first) nor
-        # widening the bits by hand (recognised as the same convert) avoids that copy.
-        raw = {1: jnp.uint8, 2: jnp.uint16}[table.dtype.itemsize]
+        # A table narrower than the activations (not one `narrow_weights` leaves): gather its
+        # rows as raw bits, then convert them — converting the gathered values instead, XLA:CPU
+        # converts and copies the whole table per decode-loop call (see `narrow_weights`).
+        raw = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[table.dtype.itemsize]
         bits = jax.lax.bitcast_convert_type(table, raw)[tokens]
         return jax.lax.bitcast_convert_type(bits, table.dtype).astype(self.cfg.jnp_dtype)
 
