@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop string (repeatable); output ends just before it (default: none)")
     ap.add_argument("--dtype", default=None, help="float32 (default; right on CPU) or bfloat16 (TPU/GPU)")
     ap.add_argument("--weight-dtype", default=None,
-                    help="bfloat16: weights stored in bf16 under float32 arithmetic (half the memory; on CPUs "
+                    help="bfloat16: matmul weights stored in bf16 under float32 arithmetic (half their memory; on CPUs "
                          "with AMX / AVX512-BF16 a step of many tokens costs about what one does)")
     ap.add_argument("--scan-layers", action="store_true",
                     help="lax.scan over layers: faster compile, slower decoding on CPU (default: off, unrolled)")

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
     ap.add_argument("--dtype", default=None, help="float32 (default; right on CPU) or bfloat16")
     ap.add_argument("--weight-dtype", default=None,
-                    help="bfloat16: weights stored in bf16 under float32 arithmetic (half the memory; on CPUs "
+                    help="bfloat16: matmul weights stored in bf16 under float32 arithmetic (half their memory; on CPUs "
                          "with AMX / AVX512-BF16 a step of many tokens costs about what one does)")
     ap.add_argument("--warmup", choices=("none", "short", "full"), default="short",
                     help="compile before listening: 'short' = greedy and sampled decoding at short context, "
