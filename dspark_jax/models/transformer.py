@@ -324,15 +324,8 @@ class Transformer(nnx.Module):
 
     # The drafter shares these two (frozen) with the target.
     def embed(self, tokens):
-        table = self.embed_tokens[...]
-        if table.dtype == self.cfg.jnp_dtype:
-            return table[tokens]
-        # A table narrower than the activations (not one `narrow_weights` leaves): gather its
-        # rows as raw bits, then convert them — converting the gathered values instead, XLA:CPU
-        # converts and copies the whole table per decode-loop call (see `narrow_weights`).
-        raw = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[table.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(table, raw)[tokens]
-        return jax.lax.bitcast_convert_type(bits, table.dtype).astype(self.cfg.jnp_dtype)
+        # Rows of a wide table (`narrow_weights` keeps it wide: see there why).
+        return self.embed_tokens[...][tokens].astype(self.cfg.jnp_dtype)
 
     def lm_head_matrix(self):
         """[D, V]."""
