@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding.decode_config import DecodeConfig
-from dspark_jax.decoding.decode_loop import GenState, decode_loop, request_stop_ids
+from dspark_jax.decoding.decode_loop import GenState, acceptance_prior, decode_loop, request_stop_ids
 from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
 from dspark_jax.decoding.prefill import admit, prefill_one, prefill_rows
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
@@ -136,6 +136,8 @@ class Engine:
         O = next_pow2(max_new_tokens) + K + 1
         self.M = 8  # stop ids per request
         self.dparams = drafter.params if drafter is not None else None
+        # Where each admitted request's scheduler starts (the drafter's measured acceptance).
+        self.prior = jnp.asarray(acceptance_prior(drafter, K))
         S = slots
         st = GenState.create(cfg, drafter, self.dparams, slots=S, cache_len=self.T, out_len=O, num_draft=K,
                              stop_ids=np.full((S, self.M), -1, np.int32))
@@ -308,7 +310,8 @@ class Engine:
         # Admission reads and writes no cache: they stay out of its program, which therefore
         # does not depend on the cache's current length (one program, not one per window).
         st = admit(self.st.replace(cache=None, dcache=None), logits_SV, jnp.asarray(seq_len), jnp.asarray(chunk),
-                   jnp.asarray(final), jnp.asarray(max_new), request_keys(seeds), jnp.asarray(stop_ids), self.sa)
+                   jnp.asarray(final), jnp.asarray(max_new), request_keys(seeds), jnp.asarray(stop_ids), self.sa,
+                   self.prior)
         self.st = st.replace(cache=cache, dcache=dcache)
         for slot in np.flatnonzero(final):
             self.running[int(slot)].status = "running"

@@ -457,8 +457,10 @@ def export(cfg: TrainConfig, workdir: str) -> None:
         from dspark_jax.training.calibration import with_temperatures
 
         rep = json.load(open(sts_json))
-        greedy = rep["greedy"]["temperatures"] if "greedy" in rep else None
-        drafter = with_temperatures(drafter, rep["temperatures"], greedy)
+        greedy = rep.get("greedy", {})
+        drafter = with_temperatures(drafter, rep["temperatures"], greedy.get("temperatures"),
+                                    survival=rep.get("survival_rate_per_position"),
+                                    survival_greedy=greedy.get("survival_rate_per_position"))
     out = os.path.join(workdir, "export")
     ds.save_drafter(drafter, out, dtype="bfloat16")
     print(f"[export] wrote {out}", file=sys.stderr)

@@ -263,7 +263,8 @@ def _initial_state(target: Target, drafter, plan: _Plan) -> tuple[GenState, Samp
     keys = request_keys(plan.seeds + [0] * (S - B))  # padding rows: any fixed key
     st = GenState.create(target.cfg, drafter, drafter.params if drafter is not None else None, slots=S,
                          cache_len=plan.T, out_len=plan.O, num_draft=plan.K, active=np.arange(S) < B,
-                         max_new=max_new, keys=keys, stop_ids=stop_id_table(plan.params, target.eos_token_ids, S))
+                         max_new=max_new, keys=keys, stop_ids=stop_id_table(plan.params, target.eos_token_ids, S),
+                         sa=sa)
     return st, sa
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.decode_loop import GenState, append_context, fold_keys
+from dspark_jax.decoding.decode_loop import GenState, append_context, fold_keys, prior_confidence
 from dspark_jax.decoding.sampling import SamplingArrays, sample_or_argmax, transform_logits
 from dspark_jax.models.transformer import KVCache, packed_layout
 
@@ -179,11 +179,12 @@ def _prefill_row(tgraph, tstate, drafter, dparams, row: KVCache, dcache, slot, t
 
 @functools.partial(jax.jit, donate_argnames=("st",))
 def admit(st: GenState, logits_SV, seq_len_S, chunk_S, final_S, max_new_S, keys_S, stop_ids_SM,
-          sa: SamplingArrays):
+          sa: SamplingArrays, prior_2K=None):
     """The serving engine's admission, after `prefill_one` filled each admitted slot's chunk
     of prompt into `st`'s caches: slots in `chunk_S` now hold `seq_len_S` tokens; those in
     `final_S` (their prompt is complete) sample their first token from `logits_SV` and start
-    decoding with fresh per-slot state. Every other slot is untouched. Touches no cache: the
+    decoding with fresh per-slot state (the scheduler's confidences at the drafter's acceptance
+    prior `prior_2K`, `decode_loop.acceptance_prior`; None: 1). Every other slot is untouched. Touches no cache: the
     engine passes `st` without them (cache and dcache None), so the program does not depend
     on the cache's length."""
     S = seq_len_S.shape[0]
@@ -213,7 +214,8 @@ def admit(st: GenState, logits_SV, seq_len_S, chunk_S, final_S, max_new_S, keys_
         reached=pick(jnp.zeros_like(st.reached), st.reached),
         accepted_at=pick(jnp.zeros_like(st.accepted_at), st.accepted_at),
         verified=pick(zeros, st.verified),
-        prev_conf=pick(jnp.ones_like(st.prev_conf), st.prev_conf),
+        prev_conf=pick(jnp.ones_like(st.prev_conf) if prior_2K is None else prior_confidence(prior_2K, sa),
+                       st.prev_conf),
         acc_w=pick(jnp.zeros_like(st.acc_w), st.acc_w),
         reach_w=pick(jnp.zeros_like(st.reach_w), st.reach_w),
         f_acc_w=pick(jnp.zeros_like(st.f_acc_w), st.f_acc_w),

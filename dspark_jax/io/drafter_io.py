@@ -80,7 +80,8 @@ _OUR_FIELDS = (
     ("target_layer_ids", "int_list", True), ("markov_rank", "int", True), ("head_type", "str", True),
     ("confidence_head", "bool", True), ("confidence_with_markov", "bool", True),
     ("loss_decay", "float", False), ("sts_temperatures", "float_list", False),
-    ("sts_temperatures_greedy", "float_list", False),
+    ("sts_temperatures_greedy", "float_list", False), ("acceptance_prior", "float_list", False),
+    ("acceptance_prior_greedy", "float_list", False),
     ("draft_vocab_size", "int", False), ("draft_topk", "int", False), ("dtype", "str", False),
 )
 

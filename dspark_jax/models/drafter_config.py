@@ -49,6 +49,12 @@ class DrafterConfig:
     # STS fitted on greedy cycles (survival = argmax match), used for temperature-0 requests;
     # () = the sampled ones above.
     sts_temperatures_greedy: tuple[float, ...] = ()
+    # The drafter's measured acceptance per position (conditional: draft k accepted given
+    # drafts 1..k−1 were), on the calibration prompts under sampling and under greedy
+    # decoding. The async scheduler's confidences for a request that has not drafted yet;
+    # () = 1 everywhere (optimistic: every request's first cycle drafts).
+    acceptance_prior: tuple[float, ...] = ()
+    acceptance_prior_greedy: tuple[float, ...] = ()
     # Draft vocabulary (EAGLE-3 d2t / FR-Spec): propose only from this many frequent target
     # tokens (ids stored in the checkpoint as `draft_ids`); 0 = the full vocabulary. Lossless:
     # draft logits are -inf outside it, so verification keeps all target mass there.
@@ -90,6 +96,12 @@ class DrafterConfig:
                              f"expected block_size={self.block_size}")
         if any(t <= 0 for t in self.sts_temperatures_greedy):
             raise ValueError(f"STS temperatures must be > 0, got {self.sts_temperatures_greedy}")
+        for name in ("acceptance_prior", "acceptance_prior_greedy"):
+            v = getattr(self, name)
+            if v and len(v) != self.block_size:
+                raise ValueError(f"{name} has {len(v)} entries; expected block_size={self.block_size}")
+            if any(not 0.0 <= a <= 1.0 for a in v):
+                raise ValueError(f"{name} holds probabilities in [0, 1], got {v}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0 = full vocabulary), "

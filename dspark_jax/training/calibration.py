@@ -28,13 +28,30 @@ from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.models.drafters import Drafter
 
 
-def with_temperatures(drafter: Drafter, temps, greedy_temps=None) -> Drafter:
+def with_temperatures(drafter: Drafter, temps, greedy_temps=None, *, survival=None, survival_greedy=None) -> Drafter:
     """The same drafter with `temps` as its STS temperatures (and `greedy_temps` for
-    temperature-0 requests, if given; both saved by `save_drafter`)."""
+    temperature-0 requests, if given; both saved by `save_drafter`). `survival` /
+    `survival_greedy`: the measured survival per position (`sts.fit_and_report`'s
+    `survival_rate_per_position`), kept as the drafter's acceptance prior
+    (`DrafterConfig.acceptance_prior`, conditional per position)."""
     kw = {"sts_temperatures": tuple(float(t) for t in temps)}
     if greedy_temps is not None:
         kw["sts_temperatures_greedy"] = tuple(float(t) for t in greedy_temps)
+    if survival is not None:
+        kw["acceptance_prior"] = conditional_acceptance(survival)
+    if survival_greedy is not None:
+        kw["acceptance_prior_greedy"] = conditional_acceptance(survival_greedy)
     return Drafter(drafter.cfg.replace(**kw), drafter.graphdef, drafter.state)
+
+
+def conditional_acceptance(survival) -> tuple[float, ...]:
+    """Per-position acceptance given the earlier drafts were accepted, from the survival
+    rates a_k = P(drafts 1..k accepted): c_k = a_k / a_{k−1} (a_0 = 1), in [0, 1]; 0 after a
+    position nothing survived."""
+    a = np.asarray(survival, np.float64)
+    prev = np.concatenate([[1.0], a[:-1]])
+    c = np.where(prev > 0, a / np.maximum(prev, 1e-30), 0.0)
+    return tuple(round(float(x), 6) for x in np.clip(c, 0.0, 1.0))
 
 
 # ----------------------------------------------------------------------------- collection

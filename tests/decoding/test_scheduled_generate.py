@@ -137,6 +137,24 @@ def test_async_skips_a_drafter_that_does_not_pay(tiny):
     assert out.stats["bucket_per_step"] == S
 
 
+@pytest.mark.slow
+def test_async_starts_from_the_drafters_measured_acceptance(tiny):
+    """Without a prior, every request's scheduler starts optimistic (confidence 1) and the first
+    cycle drafts; a drafter whose calibration measured low acceptance does not draft where that
+    cannot pay. Verifying costs 3x an anchor-only step here: 8 slots x 4 tokens at confidence 1
+    beat 8 anchors, 8 x (1 + 0.05 + ...) do not. Both outputs are the target's."""
+    table = StepRates(S, BUCKETS, draft_s=0.01, verify_s=(0.1, 0.3, 0.3, 0.3), ar_s=0.1)
+    d = tiny["drafter"]
+    low = Drafter(d.cfg.replace(acceptance_prior=(0.05,) * 4, acceptance_prior_greedy=(0.05,) * 4), d.graphdef,
+                  d.state)
+    outs = {name: ds.generate(tiny["target"], tiny["prompts"], drafter=x, sampling=greedy(), num_draft=K,
+                              policy="dspark", step_rates=table) for name, x in (("optimistic", d), ("prior", low))}
+    for out in outs.values():
+        assert out.token_ids == tiny["ar"]
+    assert outs["optimistic"].stats["drafted_steps"] > 0
+    assert outs["prior"].stats["drafted_steps"] == 0 and outs["prior"].stats["bucket_per_step"] == S
+
+
 @dataclasses.dataclass(frozen=True)
 class Overclaiming(OracleDrafter):
     """Fixed continuations with confidence 0.6 at every position (a distinct class: it never

@@ -196,3 +196,27 @@ def test_reliability_diagram_needs_matplotlib(monkeypatch, tmp_path):
     e, o = sts.cumulative_events([1], [2], 2)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         sts.reliability_diagram(str(tmp_path / "x.png"), e, e, e, o)
+
+
+def test_acceptance_prior_saved_loaded_and_validated(pair, tmp_path):
+    """The measured survival becomes the drafter's conditional acceptance prior, which the
+    export keeps and the scheduler reads per request (greedy or sampled row)."""
+    from dspark_jax.decoding.decode_loop import acceptance_prior, prior_confidence
+
+    target, drafter = pair
+    assert cal.conditional_acceptance([0.5, 0.25, 0.0, 0.0]) == (0.5, 0.5, 0.0, 0.0)
+    d = cal.with_temperatures(drafter, (1.0,) * 4, (2.0,) * 4, survival=[0.4, 0.2, 0.1, 0.05],
+                              survival_greedy=[0.8, 0.6, 0.3, 0.3])
+    ds.save_drafter(d, str(tmp_path / "d"))
+    loaded = ds.load_drafter(str(tmp_path / "d"), target)
+    assert loaded.cfg.acceptance_prior == (0.4, 0.5, 0.5, 0.5)
+    assert loaded.cfg.acceptance_prior_greedy == (0.8, 0.75, 0.5, 1.0)
+    prior = acceptance_prior(loaded, 3)  # the first K positions
+    np.testing.assert_allclose(prior, [[0.4, 0.5, 0.5], [0.8, 0.75, 0.5]])
+    sa = SamplingArrays.from_params([ds.SamplingParams(temperature=t) for t in (0.0, 0.7)])
+    np.testing.assert_allclose(prior_confidence(prior, sa), [[0.8, 0.75, 0.5], [0.4, 0.5, 0.5]])
+    np.testing.assert_array_equal(acceptance_prior(drafter, 2), np.ones((2, 2)))  # uncalibrated: optimistic
+    with pytest.raises(ValueError, match="acceptance_prior holds probabilities"):
+        drafter.cfg.replace(acceptance_prior=(0.5, 1.5, 0.5, 0.5))
+    with pytest.raises(ValueError, match="acceptance_prior_greedy has 2 entries"):
+        drafter.cfg.replace(acceptance_prior_greedy=(0.5, 0.5))
