@@ -160,7 +160,9 @@ SMALL_Q = 16
 
 def _cached_scores(q_SQHE, kt_SKET):
     """The queries as Q·I rows per KV head (fp32, scaled) [S, K, Q·I, E], their scores against
-    the heads-major keys [S, K, Q·I, T] in fp32, and whether the CPU multiply-reduce form ran."""
+    the heads-major keys [S, K, Q·I, T] in fp32, and whether the CPU multiply-reduce form ran.
+    (With the additive mask, XLA:CPU's batched matmuls measure the same as the multiply-reduce
+    at decode and verification sizes: BENCHMARKS.md, "Engine cost".)"""
     S, Q, H, E = q_SQHE.shape
     K = kt_SKET.shape[1]
     q = q_SQHE.reshape(S, Q, K, H // K, E).transpose(0, 2, 1, 3, 4).reshape(S, K, Q * (H // K), E)
@@ -173,6 +175,15 @@ def _cached_scores(q_SQHE, kt_SKET):
     return q, s, fused
 
 
+def _additive(mask):
+    """0 where `mask` allows a key, -1e30 where it does not: added to the scores. On CPU a
+    select on the [.., T] scores splits XLA's fusion of the score reduction from the softmax
+    (decode attention at 64 slots ~1.45× slower, BENCHMARKS.md "Engine cost"); an added
+    bias keeps it one pass. A masked score becomes exactly -1e30 (|score| ≪ 1e22), so its
+    exponential is exactly 0 in any row with an allowed key: the same softmax as a select."""
+    return jnp.where(mask, 0.0, -1e30).astype(jnp.float32)
+
+
 def attend_cached(q_SQHE, kt_SKET, v_SKTE, mask_SQT):
     """Grouped-query attention over a heads-major cache (keys transposed, `KVCache`); scores
     and softmax in fp32, fully masked rows give zeros. Same result as `attend` on the
@@ -180,24 +191,26 @@ def attend_cached(q_SQHE, kt_SKET, v_SKTE, mask_SQT):
 
     Each KV head's I query heads and the slot's Q queries form Q·I rows against the head's
     [E, T] keys. For a few queries per slot (decode, verification: Q ≤ SMALL_Q) on CPU the
-    scores and outputs are a multiply-reduce vectorised over T / E, which XLA:CPU fuses into
-    one pass over the keys; its batched small matmuls cost ~2× more (BENCHMARKS.md, "Engine
-    cost"). Otherwise (prefill; every step on TPU/GPU) they are batched matmuls.
+    scores and outputs are a multiply-reduce vectorised over T / E (`_cached_scores` says
+    why); otherwise (prefill; every step on TPU/GPU) batched matmuls. The mask is added to the
+    scores (`_additive`) and the softmax normalised after the value reduction.
     """
     S, Q, H, E = q_SQHE.shape
     K = kt_SKET.shape[1]
     I = H // K
     T = kt_SKET.shape[-1]
     q, s, fused = _cached_scores(q_SQHE, kt_SKET)
-    m = jnp.broadcast_to(mask_SQT[:, None, :, None, :], (S, 1, Q, I, T)).reshape(S, 1, Q * I, T)
-    s = jnp.where(m, s, -1e30)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(m, p, 0.0)
+    bias = jnp.broadcast_to(_additive(mask_SQT)[:, None, :, None, :], (S, 1, Q, I, T)).reshape(S, 1, Q * I, T)
+    s = s + bias
+    p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+    den = jnp.sum(p, -1, keepdims=True)
     if fused:
         o = jnp.sum(p[..., None] * v_SKTE[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, E]
     else:
-        o = jnp.einsum("sknt,skte->skne", p.astype(v_SKTE.dtype), v_SKTE)
-    o = o.astype(q_SQHE.dtype)
+        o = jnp.einsum("sknt,skte->skne", p.astype(v_SKTE.dtype), v_SKTE, preferred_element_type=jnp.float32)
+    live = jnp.any(mask_SQT, -1)  # [S, Q]: rows with an allowed key (the others give zeros)
+    live = jnp.broadcast_to(live[:, None, :, None], (S, 1, Q, I)).reshape(S, 1, Q * I, 1)
+    o = jnp.where(live, o / den, 0.0).astype(q_SQHE.dtype)
     return o.reshape(S, K, Q, I, E).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
 
 
@@ -216,21 +229,21 @@ def attend_cached_and_new(q_SQHE, kt_SKET, v_SKTE, ctx_ST, k_SQKE, v_SQKE, new_S
     dt = jnp.float32 if fused else kt_SKET.dtype
     kn = k_SQKE.astype(kt_SKET.dtype).transpose(0, 2, 1, 3).astype(dt)  # [S, K, Q, E]
     vn = v_SQKE.astype(v_SKTE.dtype).transpose(0, 2, 1, 3).astype(dt)
-    m1 = ctx_ST[:, None, None, :]
     s2 = jnp.einsum("skne,skqe->sknq", q.astype(dt), kn, preferred_element_type=jnp.float32)  # [S, K, Q·I, Q]
     m2 = jnp.broadcast_to(new_SQQ[:, None, :, None, :], (S, 1, Q, I, Q)).reshape(S, 1, Q * I, Q)
-    s1 = jnp.where(m1, s1, -1e30)
-    s2 = jnp.where(m2, s2, -1e30)
+    s1 = s1 + _additive(ctx_ST)[:, None, None, :]
+    s2 = s2 + _additive(m2)
     mx = jnp.maximum(jnp.max(s1, -1, keepdims=True), jnp.max(s2, -1, keepdims=True))
-    p1 = jnp.where(m1, jnp.exp(s1 - mx), 0.0)
-    p2 = jnp.where(m2, jnp.exp(s2 - mx), 0.0)
+    p1 = jnp.exp(s1 - mx)
+    p2 = jnp.exp(s2 - mx)
     den = jnp.sum(p1, -1, keepdims=True) + jnp.sum(p2, -1, keepdims=True)
     if fused:
         o = jnp.sum(p1[..., None] * v_SKTE[:, :, None].astype(jnp.float32), axis=-2)  # [S, K, Q·I, E]
     else:
         o = jnp.einsum("sknt,skte->skne", p1.astype(v_SKTE.dtype), v_SKTE, preferred_element_type=jnp.float32)
-    o = o + jnp.einsum("sknq,skqe->skne", p2.astype(dt), vn, preferred_element_type=jnp.float32)
-    o = (o / jnp.maximum(den, 1e-30)).astype(q_SQHE.dtype)
+    o = o + jnp.einsum("sknq,skqe->skne", p2.astype(vn.dtype), vn, preferred_element_type=jnp.float32)
+    live = jnp.any(ctx_ST, -1)[:, None, None, None] | jnp.any(m2, -1, keepdims=True)  # [S, 1, Q·I, 1]
+    o = jnp.where(live, o / den, 0.0).astype(q_SQHE.dtype)
     return o.reshape(S, K, Q, I, E).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
 
 

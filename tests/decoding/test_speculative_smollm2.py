@@ -132,8 +132,12 @@ def test_greedy_speculative_equals_autoregressive(target, ar, kind):
     assert sum(len(a) for a in ar) > 4 * MAX_NEW  # long answers, not early EOS
     if kind == "oracle":
         # Every cycle accepts all γ drafts except where an answer ends at EOS (the oracle
-        # has no token there): τ close to γ + 1.
-        assert out.stats["tau"] > BLOCK + 0.5, out.stats
+        # has no token there): τ close to γ + 1 for every answer the oracle knows. An answer
+        # that took the other side of the fp32 tie leaves the oracle's list there, and its
+        # drafts are rejected from then on (τ of the whole batch ~4.0 instead of ~4.9).
+        same = [i for i, (a, b) in enumerate(zip(ar, out.token_ids)) if a == b]
+        tau = [(len(out.token_ids[i]) - 1) / out.stats["cycles"][i] for i in same]
+        assert len(same) >= len(CHATS) - 1 and min(tau) > BLOCK + 0.5, (tau, out.stats)
     elif kind == "random":
         assert out.stats["tau"] < 1.5, out.stats
     else:

@@ -242,3 +242,53 @@ def test_deferred_write_equals_writing_first(tiny_target, scanned):
     np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
     for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=ATOL)
+
+
+def _reference_attention(q_SQHE, k_STKE, v_STKE, mask_SQT):
+    """Plain numpy grouped-query attention (float64); fully masked rows give zeros."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q_SQHE, k_STKE, v_STKE))
+    m = np.asarray(mask_SQT)
+    S, Q, H, E = q.shape
+    K = k.shape[2]
+    out = np.zeros_like(q)
+    for s in range(S):
+        for h in range(H):
+            sc = q[s, :, h] @ k[s, :, h // (H // K)].T / np.sqrt(E)  # [Q, T]
+            sc = np.where(m[s], sc, -np.inf)
+            mx = np.max(sc, -1, keepdims=True)
+            p = np.where(m[s], np.exp(sc - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+            den = p.sum(-1, keepdims=True)
+            out[s, :, h] = np.where(den > 0, (p / np.where(den > 0, den, 1.0)) @ v[s, :, h // (H // K)], 0.0)
+    return out
+
+
+def test_cached_attention_masks_exactly_and_zeroes_empty_rows():
+    """`attend_cached` (the mask added to the scores) and `attend_cached_and_new` (cache only
+    read, the step's own keys beside it) against a float64 reference, with ragged masks and
+    rows with no allowed key (empty grid cells: zeros, not a mean of the values)."""
+    from dspark_jax.models.layers import attend_cached, attend_cached_and_new
+
+    rng = np.random.default_rng(0)
+    S, Q, H, K, E, T = 3, 4, 6, 2, 8, 16
+    q = rng.normal(size=(S, Q, H, E)).astype(np.float32)
+    k = rng.normal(size=(S, T, K, E)).astype(np.float32) * 3  # large scores: a leaked masked key shows
+    v = rng.normal(size=(S, T, K, E)).astype(np.float32)
+    lens = np.array([5, 0, 11])  # slot 1 has no context
+    counts = np.array([4, 2, 0])  # slot 2 has no query (an idle slot)
+    qpos = lens[:, None] + np.arange(Q)[None]
+    valid = np.arange(Q)[None] < counts[:, None]
+    mask = (np.arange(T)[None, None] <= qpos[..., None]) & valid[..., None]  # [S, Q, T]
+    kt, vh = jnp.asarray(k.transpose(0, 2, 3, 1)), jnp.asarray(v.transpose(0, 2, 1, 3))
+    got = np.asarray(attend_cached(jnp.asarray(q), kt, vh, jnp.asarray(mask)))
+    np.testing.assert_allclose(got, _reference_attention(q, k, v, mask), atol=2e-6)
+    assert not got[2].any() and not got[1, 2:].any()
+
+    # The same step with its keys not yet written: context [S, T] + the step's own [S, Q, Q].
+    ctx = np.arange(T)[None] < lens[:, None]
+    new = (np.arange(Q)[None, :] <= np.arange(Q)[:, None])[None] & valid[:, None, :]
+    k_new = np.stack([k[s, lens[s] + np.arange(Q) if lens[s] + Q <= T else np.arange(Q)] for s in range(S)])
+    v_new = np.stack([v[s, lens[s] + np.arange(Q) if lens[s] + Q <= T else np.arange(Q)] for s in range(S)])
+    got2 = np.asarray(attend_cached_and_new(jnp.asarray(q), kt, vh, jnp.asarray(ctx),
+                                            jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(new)))
+    # Cells of the grid past a slot's count attend to its context (their outputs are never read).
+    np.testing.assert_allclose(got2[valid], _reference_attention(q, k, v, mask)[valid], atol=2e-6)
