@@ -52,10 +52,10 @@ HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p
 
 
 def server_args(drafter: str, slots: int, max_tokens: int, max_len: int, warmup: str = "short",
-                weight_dtype: str | None = None) -> list[str]:
+                weight_dtype: str | None = None, fine_windows: bool = False) -> list[str]:
     return ["--drafter", drafter, "--slots", str(slots), "--max-len", str(max_len),
             "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64), "--warmup", warmup,
-            *(["--weight-dtype", weight_dtype] if weight_dtype else [])]
+            *(["--weight-dtype", weight_dtype] if weight_dtype else []), *(["--fine-windows"] if fine_windows else [])]
 
 
 def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
@@ -192,6 +192,7 @@ def main(argv=None):
     ap.add_argument("--weight-dtype", default=None,
                     help="bfloat16: the server's --weight-dtype (bf16 weights under float32 arithmetic; on CPUs with "
                          "AMX / AVX512-BF16 a step of many tokens costs about what one does)")
+    ap.add_argument("--fine-windows", action="store_true", help="the server's --fine-windows")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     ap.add_argument("--logdir", default="/tmp/bench_serving")
@@ -213,7 +214,8 @@ def main(argv=None):
     for C in concs:
         prompts = heldout_prompts(args.prompts_per_slot * C, args.max_prompt_chars, seed=0)
         for name in names:
-            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup, args.weight_dtype)
+            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup, args.weight_dtype,
+                                args.fine_windows)
             engine = make_engine(server_parser().parse_args(sargs), target, load_drafter(CONFIGS[name], target))
             warmup(engine, target, full=args.warmup == "full")
             cell = {"library": [], "http": []}

@@ -120,7 +120,7 @@ class Engine:
         self.P = next_pow2(prefill_tokens, 16)
         # Decode attention reads a window of the cache that covers every running slot's
         # context (as in generate(); each window compiles once, when first reached).
-        self.windows = attention_windows(self.T) if config.windowed_attention else []
+        self.windows = attention_windows(self.T, fine=config.fine_windows) if config.windowed_attention else []
         self.cycles_per_step = cycles_per_step
         cfg = target.cfg
         # Two step-rate tables when profiled here: the sampled cycle's, and the cheaper greedy

@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-dtype", default=None,
                     help="bfloat16: matmul weights stored in bf16 under float32 arithmetic (half their memory; on CPUs "
                          "with AMX / AVX512-BF16 a step of many tokens costs about what one does)")
+    ap.add_argument("--fine-windows", action="store_true",
+                    help="attention windows in 1.5x steps too (256, 384, 512, 768, ...): less attention over "
+                         "unused cache positions at many requests, twice the compiled decode loops")
     ap.add_argument("--warmup", choices=("none", "short", "full"), default="short",
                     help="compile before listening: 'short' = greedy and sampled decoding at short context, "
                          "'full' = also every attention window of the cache (slower start), 'none'")
@@ -246,6 +249,7 @@ def load_drafter(name: str | None, target):
 
 
 def make_engine(args, target, drafter):
+    import dspark_jax as ds
     from serve.engine import Engine
 
     policy = args.policy or ("dspark" if drafter is not None else "ar")
@@ -253,9 +257,10 @@ def make_engine(args, target, drafter):
         raise ValueError(f"--policy {policy} needs a drafter (got --drafter {args.drafter})")
     if args.num_draft is not None and policy != "fixed":
         raise ValueError("--num-draft applies to --policy fixed")
+    config = ds.DecodeConfig(policy=policy, num_draft=args.num_draft, fine_windows=args.fine_windows)
     return Engine(target, drafter if policy != "ar" else None, slots=args.slots, max_len=args.max_len,
-                         max_new_tokens=args.max_tokens_limit, prefill_tokens=args.prefill_tokens, policy=policy,
-                         num_draft=args.num_draft, cycles_per_step=args.cycles_per_step)
+                  max_new_tokens=args.max_tokens_limit, prefill_tokens=args.prefill_tokens,
+                  cycles_per_step=args.cycles_per_step, config=config)
 
 
 def warmup(engine, target, full: bool = False):

@@ -32,7 +32,9 @@ SCHEDULERS = ("async", "sync")
 class DecodeConfig:
     """Decoding options shared by `generate()` and `serve.engine.Engine` (see the module doc
     for the policies). `windowed_attention`: attention reads only a window of the cache that
-    covers the active contexts (256 positions, doubling). `compact_slots` (generate, fixed /
+    covers the active contexts (256 positions, doubling; `fine_windows`: also 1.5× steps
+    between, 384, 768, …, which reads up to a third less at 16+ slots for twice the compiled
+    decode loops; BENCHMARKS.md "Stop 34"). `compact_slots` (generate, fixed /
     ar): finished requests leave the slot bucket. `chunk_cycles`: cycles per host round trip
     when stop strings are set. `prefill_chunk`: prompt tokens per prefill step of a request.
     `batched_prefill`: the older single prefill program over all prompts (for comparison).
@@ -45,6 +47,7 @@ class DecodeConfig:
     scheduler: Any = "async"
     threshold: float = 0.5
     windowed_attention: bool = True
+    fine_windows: bool = False
     compact_slots: bool = True
     chunk_cycles: int = 16
     prefill_chunk: int = 512

@@ -27,6 +27,10 @@ def test_window_ladder():
     assert attention_windows(384) == [256]  # a cache capped at the context: its own size last
     assert pick_window([256, 512], 256) == 256 and pick_window([256, 512], 257) == 512
     assert pick_window([256, 512], 513) is None  # the whole cache
+    # fine: a 1.5× step between doublings, below the cache
+    assert attention_windows(2048, fine=True) == [256, 384, 512, 768, 1024, 1536]
+    assert attention_windows(512, fine=True) == [256, 384] and attention_windows(384, fine=True) == [256]
+    assert pick_window([256, 384], 300) == 384
 
 
 @pytest.mark.slow
@@ -63,3 +67,19 @@ def test_each_window_compiles_once(target, drafter):
     again = ds.generate(target, ps, drafter=drafter, sampling=sp, num_draft=4)
     assert again.stats["compiles"] == 0
     assert again.token_ids == first.token_ids
+
+
+@pytest.mark.slow
+def test_fine_windows_change_no_token(target, drafter):
+    """`DecodeConfig(fine_windows=True)`: the 180-token prompt's 120 new tokens (~305
+    positions) finish in the 384 window of the 512 cache, where the doubling windows move to
+    the whole cache; greedy speculative tokens equal whole-cache attention and autoregressive
+    decoding."""
+    ps = prompts([180, 40], seed=1)
+    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True)
+    cfg = ds.DecodeConfig(policy="fixed", num_draft=4, fine_windows=True)
+    fine = ds.generate(target, ps, drafter=drafter, sampling=sp, config=cfg)
+    assert fine.stats["buckets"]["attention_windows"] == [256, 384]
+    whole = ds.generate(target, ps, drafter=drafter, sampling=sp, num_draft=4, windowed_attention=False)
+    assert fine.token_ids == whole.token_ids == ds.generate(target, ps, sampling=sp).token_ids
+    assert fine.stats["cycles"] == whole.stats["cycles"]

@@ -92,12 +92,14 @@ def test_arrivals_over_time_match_autoregressive(tiny):
     assert compile_stats.snapshot()[0] == c0
 
 
-def test_warm_cache_moves_compile_nothing_later(tiny):
+@pytest.mark.parametrize("fine", [False, True])
+def test_warm_cache_moves_compile_nothing_later(tiny, fine):
     """The cache moves between windows (grown for a long context, cut when it is gone) are
     programs of their own; the server's warm-up compiles them all, on the live cache."""
-    eng = Engine(tiny["target"], None, slots=2, max_len=512, max_new_tokens=MAX_NEW, policy="ar")
+    eng = Engine(tiny["target"], None, slots=2, max_len=512, max_new_tokens=MAX_NEW,
+                 config=ds.DecodeConfig(policy="ar", fine_windows=fine))
     lengths = sorted({*eng.windows, eng.T})
-    assert len(lengths) >= 2 and eng.st.cache.length == lengths[0]
+    assert lengths == ([256, 384, 512] if fine else [256, 512]) and eng.st.cache.length == lengths[0]
     eng.compile_cache_moves()
     assert eng.st.cache.length == lengths[0]  # back where it started
     c0, _ = compile_stats.snapshot()
