@@ -162,7 +162,7 @@ def _cached_scores(q_SQHE, kt_SKET):
     """The queries as Q·I rows per KV head (fp32, scaled) [S, K, Q·I, E], their scores against
     the heads-major keys [S, K, Q·I, T] in fp32, and whether the CPU multiply-reduce form ran.
     (With the additive mask, XLA:CPU's batched matmuls measure the same as the multiply-reduce
-    at decode and verification sizes: BENCHMARKS.md, "Engine cost".)"""
+    at decode and verification sizes: BENCHMARKS.md, "Stop 34".)"""
     S, Q, H, E = q_SQHE.shape
     K = kt_SKET.shape[1]
     q = q_SQHE.reshape(S, Q, K, H // K, E).transpose(0, 2, 1, 3, 4).reshape(S, K, Q * (H // K), E)
@@ -178,7 +178,7 @@ def _cached_scores(q_SQHE, kt_SKET):
 def _additive(mask):
     """0 where `mask` allows a key, -1e30 where it does not: added to the scores. On CPU a
     select on the [.., T] scores splits XLA's fusion of the score reduction from the softmax
-    (decode attention at 64 slots ~1.45× slower, BENCHMARKS.md "Engine cost"); an added
+    (decode attention at 64 slots ~1.45× slower, BENCHMARKS.md "Stop 34"); an added
     bias keeps it one pass. A masked score becomes exactly -1e30 (|score| ≪ 1e22), so its
     exponential is exactly 0 in any row with an allowed key: the same softmax as a select."""
     return jnp.where(mask, 0.0, -1e30).astype(jnp.float32)
