@@ -286,8 +286,8 @@ def test_cached_attention_masks_exactly_and_zeroes_empty_rows():
     # The same step with its keys not yet written: context [S, T] + the step's own [S, Q, Q].
     ctx = np.arange(T)[None] < lens[:, None]
     new = (np.arange(Q)[None, :] <= np.arange(Q)[:, None])[None] & valid[:, None, :]
-    k_new = np.stack([k[s, lens[s] + np.arange(Q) if lens[s] + Q <= T else np.arange(Q)] for s in range(S)])
-    v_new = np.stack([v[s, lens[s] + np.arange(Q) if lens[s] + Q <= T else np.arange(Q)] for s in range(S)])
+    at = lens[:, None] + np.arange(Q)[None]  # each slot's step positions (all inside T)
+    k_new, v_new = k[np.arange(S)[:, None], at], v[np.arange(S)[:, None], at]
     got2 = np.asarray(attend_cached_and_new(jnp.asarray(q), kt, vh, jnp.asarray(ctx),
                                             jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(new)))
     # Cells of the grid past a slot's count attend to its context (their outputs are never read).
