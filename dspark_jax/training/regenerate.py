@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from dspark_jax.decoding.decode_config import DecodeConfig
 from dspark_jax.decoding.generate import encode_prompt, generate
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.training import records
@@ -51,7 +52,9 @@ def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: i
         sampling = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                    max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + b * batch_size + i)
                     for i in range(len(batch))]
-        out = generate(target, [ids for _, ids in batch], sampling=sampling)
+        # fine windows: the batch's contexts grow past 256 positions together; a 384 window
+        # reads a quarter less than 512 (the same tokens; BENCHMARKS.md "Stop 34")
+        out = generate(target, [ids for _, ids in batch], sampling=sampling, config=DecodeConfig(fine_windows=True))
         recs = []
         for (_, ids), resp in zip(batch, out.token_ids):
             if len(resp) < max_new_tokens and eos:
@@ -62,8 +65,13 @@ def regenerate(target, prompts: list[list[dict]], out_dir: str, *, batch_size: i
         written += 1
         el = time.perf_counter() - t0
         eta = el / written * (n_batches - b - 1)
+        # Where a batch's time goes (prefill, decode, compiles): what to look at first when
+        # regeneration runs slower than the target's matmuls should allow.
+        s = out.stats
         print(f"[data] batch {b + 1}/{n_batches}: {done_tokens} response tokens, "
-              f"{done_tokens / el:.0f} tok/s, ETA {eta / 60:.1f} min", file=log, flush=True)
+              f"{done_tokens / el:.0f} tok/s, ETA {eta / 60:.1f} min (this batch: prefill {s['prefill_s']:.1f} s, "
+              f"decode {s['decode_s']:.1f} s, {s['compiles']} compiles in {s['compile_s']:.1f} s)",
+              file=log, flush=True)
     return {"prompts": len(encoded), "batches": n_batches, "new_tokens": done_tokens}
 
 

@@ -161,3 +161,26 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
     # From the step the sampled request is admitted on (the sampling mix changes on admission
     # only), the sampled cycle's table.
     assert used and not used[-1]
+
+
+def test_warm_up_runs_every_verification_bucket(tiny):
+    """The bucket a scheduled step runs is a branch of the compiled loop that XLA:CPU first
+    pays for when it executes; the server's warm-up forces each bucket in turn (greedy and
+    sampled) so that no client pays. Each forced bucket pays more packed tokens per cycle than
+    the one before, and the engine serves the target's tokens afterwards."""
+    from serve.server import warm_buckets
+
+    eng = engine(tiny)
+    paid = warm_buckets(eng, [1])
+    assert set(paid) == {(t, b) for t in (0.0, 0.7) for b in (4, 8, 12, 16)}
+    for t in (0.0, 0.7):
+        per = [paid[(t, b)] for b in (4, 8, 12, 16)]
+        # Strictly more each time: every forced bucket ran (a request's last cycles shrink, as
+        # fewer drafts fit its remaining tokens, so the means stay below the buckets themselves).
+        assert all(a < b for a, b in zip(per, per[1:])), per
+        assert per[0] == 4  # the smallest bucket: the anchors only
+    assert eng.idle and not eng.finished
+    p = tiny["prompts"]
+    reqs = [eng.submit(p[i], greedy()) for i in range(4)]
+    eng.run()
+    assert [r.tokens for r in reqs] == ds.generate(tiny["target"], p[:4], sampling=greedy()).token_ids
