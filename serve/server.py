@@ -330,7 +330,7 @@ def warm_buckets(engine, unit: list[int]) -> dict[tuple[float, int], float]:
                 setattr(engine, name, SchedArrays.make(rates, 0.0, base.threshold))
                 b0, c0 = int(engine.st.bucket_sum), int(engine.st.steps)
                 for _ in range(engine.S):
-                    engine.submit(list(unit), ds_sampling(temp, new))
+                    engine.submit(list(unit), _warm_sampling(temp, new))
                 engine.run()
                 paid[(temp, buckets[u])] = (int(engine.st.bucket_sum) - b0) / max(int(engine.st.steps) - c0, 1)
         finally:
@@ -339,7 +339,7 @@ def warm_buckets(engine, unit: list[int]) -> dict[tuple[float, int], float]:
     return paid
 
 
-def ds_sampling(temperature: float, new: int):
+def _warm_sampling(temperature: float, new: int):
     import dspark_jax as ds
 
     return ds.SamplingParams(temperature=temperature, seed=0, ignore_eos=True, max_new_tokens=new)
