@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding.decode_config import DecodeConfig
-from dspark_jax.decoding.decode_loop import GenState, acceptance_prior, decode_loop, request_stop_ids
+from dspark_jax.decoding.decode_loop import GenState, SchedArrays, acceptance_prior, decode_loop, request_stop_ids
 from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
 from dspark_jax.decoding.prefill import admit, prefill_one, prefill_rows
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
@@ -208,6 +208,43 @@ class Engine:
                 if a != b:
                     cache = cache.resized(a).resized(b)
         self.st = self.st.replace(cache=jax.block_until_ready(cache.resized(start)))
+
+    def warm_buckets(self, unit: list[int]) -> dict[tuple[float, int], float]:
+        """Runs every verification bucket of the async-scheduled loop, greedy and sampled, at
+        the first attention window (requests of the prompt `unit`, every slot busy); returns
+        {(temperature, forced bucket): packed tokens paid per cycle}.
+
+        The buckets are branches of one compiled loop, but XLA:CPU pays ~0.7-1 s the first time
+        a branch executes (measured at 8 slots, SmolLM2 bf16: a step that first ran the 27- or
+        46-token bucket took 1.0-1.9 s instead of 0.2-0.3; no JAX compile logged; BENCHMARKS.md
+        "Stop 35"). A warm-up of lone short requests only reaches the smallest bucket, so the
+        first clients paid for the rest. The bucket a step runs is the async budget's argmax
+        over the step-rate table, a traced input: a table with one bucket far ahead forces it.
+        Outputs are untouched (a schedule decides only how many drafts are verified)."""
+        if self.drafter is None or self.sched is None or self.settings.policy != "async":
+            return {}
+        new = min(4 * self.cycles_per_step, self.max_new_tokens)
+        if len(unit) + new + self.K + 1 > min(self.windows or [self.T]):
+            return {}
+        buckets = self.settings.buckets
+        paid = {}
+        for name, temp in (("greedy_sched", 0.0), ("sched", 0.7)):
+            base = getattr(self, name)
+            try:
+                for u in range(len(buckets)):
+                    rates = np.full(len(buckets), 1e-6, np.float32)
+                    rates[u] = 1e6
+                    setattr(self, name, SchedArrays.make(rates, 0.0, base.threshold))
+                    b0, c0 = int(self.st.bucket_sum), int(self.st.steps)
+                    for _ in range(self.S):
+                        self.submit(list(unit), SamplingParams(temperature=temp, seed=0, ignore_eos=True,
+                                                               max_new_tokens=new))
+                    self.run()
+                    paid[(temp, buckets[u])] = (int(self.st.bucket_sum) - b0) / max(int(self.st.steps) - c0, 1)
+            finally:
+                setattr(self, name, base)
+        self.finished.clear()
+        return paid
 
     @property
     def idle(self) -> bool:

@@ -290,59 +290,13 @@ def warmup(engine, target, full: bool = False):
             engine.run()
             guard.check()
     engine.finished.clear()
-    warm_buckets(engine, unit)
+    engine.warm_buckets(unit)
     guard.check()
     engine.compile_cache_moves()
     guard.check()
     log.info("warm-up (%d prompt lengths, greedy and sampled) done in %.1f s%s", len(lengths),
              time.perf_counter() - t0, "" if guard.used is None else
              f"; the process holds {guard.used} of the kernel's {guard.limit} memory maps")
-
-
-def warm_buckets(engine, unit: list[int]) -> dict[tuple[float, int], float]:
-    """Runs every verification bucket of the async-scheduled loop, greedy and sampled, at the
-    first attention window; returns {(temperature, forced bucket): packed tokens paid per cycle}.
-
-    The buckets are branches of one compiled loop, but XLA:CPU pays ~0.7-1 s the first time a
-    branch executes (measured at 8 slots, SmolLM2 bf16: a step that first ran the 27- or 46-token
-    bucket took 1.0-1.9 s instead of 0.2-0.3; no JAX compile logged; BENCHMARKS.md "Stop 35").
-    The warm-up's lone short requests only reach the smallest bucket, so the first clients
-    paid for the rest. The bucket a step runs is the async budget's argmax over the step-rate
-    table, a traced input: a table with one bucket far ahead forces it, with every slot busy.
-    Outputs are untouched (a schedule decides only how many drafts are verified)."""
-    import numpy as np
-
-    from dspark_jax.decoding.decode_loop import SchedArrays
-
-    if engine.drafter is None or engine.sched is None or engine.settings.policy != "async":
-        return {}
-    new = min(4 * engine.cycles_per_step, engine.max_new_tokens)
-    if len(unit) + new + engine.K + 1 > min(engine.windows or [engine.T]):
-        return {}
-    buckets = engine.settings.buckets
-    paid = {}
-    for name, temp in (("greedy_sched", 0.0), ("sched", 0.7)):
-        base = getattr(engine, name)
-        try:
-            for u in range(len(buckets)):
-                rates = np.full(len(buckets), 1e-6, np.float32)
-                rates[u] = 1e6
-                setattr(engine, name, SchedArrays.make(rates, 0.0, base.threshold))
-                b0, c0 = int(engine.st.bucket_sum), int(engine.st.steps)
-                for _ in range(engine.S):
-                    engine.submit(list(unit), _warm_sampling(temp, new))
-                engine.run()
-                paid[(temp, buckets[u])] = (int(engine.st.bucket_sum) - b0) / max(int(engine.st.steps) - c0, 1)
-        finally:
-            setattr(engine, name, base)
-    engine.finished.clear()
-    return paid
-
-
-def _warm_sampling(temperature: float, new: int):
-    import dspark_jax as ds
-
-    return ds.SamplingParams(temperature=temperature, seed=0, ignore_eos=True, max_new_tokens=new)
 
 
 def main(argv=None) -> int:

@@ -168,10 +168,8 @@ def test_warm_up_runs_every_verification_bucket(tiny):
     pays for when it executes; the server's warm-up forces each bucket in turn (greedy and
     sampled) so that no client pays. Each forced bucket pays more packed tokens per cycle than
     the one before, and the engine serves the target's tokens afterwards."""
-    from serve.server import warm_buckets
-
     eng = engine(tiny)
-    paid = warm_buckets(eng, [1])
+    paid = eng.warm_buckets([1])
     assert set(paid) == {(t, b) for t in (0.0, 0.7) for b in (4, 8, 12, 16)}
     for t in (0.0, 0.7):
         per = [paid[(t, b)] for b in (4, 8, 12, 16)]
