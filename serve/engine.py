@@ -388,6 +388,12 @@ class Engine:
             req.stats = {"queue_s": req.started_at - req.submitted_at,
                          "latency_s": req.finished_at - req.submitted_at, "cycles": cycles,
                          "tau": int(self.st.tau_sum[s]) / max(cycles, 1), "verified": int(self.st.verified[s])}
+            # A free slot counts as greedy: a sampled request's settings left on its slot kept
+            # every later batch off the greedy program (and its step-rate table) until another
+            # request took that slot.
+            if not self.slot_params[s].greedy:
+                self.slot_params[s] = SamplingParams(temperature=0.0)
+                self.sa = self._sampling_arrays()
         else:
             req.stats = {"queue_s": None}
         if req.text is None and self.target.tokenizer is not None:

@@ -5,7 +5,8 @@
   equals autoregressive greedy decoding of its prompt, the streamed pieces add up to the
   output, and a second wave of 52 with another mix of sampling parameters compiles nothing.
 - Prompts longer than the admission buffer are prefilled in chunks over several steps.
-- Profiled by the engine: the greedy cycle's table while every running request is at T = 0.
+- Profiled by the engine: the greedy cycle's table while every running request is at T = 0,
+  also once a sampled request has left (its settings do not stay on its free slot).
 - A cancelled request frees its slot for the next queued one, keeps what it had streamed
   (a prefix of its greedy output), and the others are unaffected.
 Runtime: ~40 s on a shared 2-core CPU (admission + decode-loop compiles).
@@ -158,9 +159,14 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
     eng.submit(p[0], greedy())
     eng.submit(p[1], sampled(1))
     eng.run()
-    # From the step the sampled request is admitted on (the sampling mix changes on admission
-    # only), the sampled cycle's table.
+    # From the step the sampled request is admitted on, the sampled cycle's table.
     assert used and not used[-1]
+    # Once it is gone, greedy traffic is back on the greedy table although no request has
+    # taken its slot yet (this one goes to slot 0; the sampled request ran in slot 1).
+    used.clear()
+    eng.submit(p[2], greedy())
+    eng.run()
+    assert used and all(used)
 
 
 def test_warm_up_runs_every_verification_bucket(tiny):
@@ -178,6 +184,8 @@ def test_warm_up_runs_every_verification_bucket(tiny):
         assert all(a < b for a, b in zip(per, per[1:])), per
         assert per[0] == 4  # the smallest bucket: the anchors only
     assert eng.idle and not eng.finished
+    # The sampled pass ran last; its settings do not outlive its requests.
+    assert eng.sa.all_greedy and all(sp.greedy for sp in eng.slot_params)
     p = tiny["prompts"]
     reqs = [eng.submit(p[i], greedy()) for i in range(4)]
     eng.run()
