@@ -22,14 +22,15 @@ The recipe is sized for 2 CPU cores (see BENCHMARKS.md, "Drafter recipe"):
   than 8 × 96), lr 8e-4.
 The feature cache (offline mode) runs the target once per sequence, then every step reads it.
 
-The shipped drafter came from this project's program in seven phases (the exact commands are
+The shipped drafter came from this project's program in eight phases (the exact commands are
 in dspark_jax/drafters/smollm2-135m-dspark/README.md): ShareGPT answers, then greedy ShareGPT
 answers, then — warm-started (`--set init_from=...`, the head's columns remapped to the new
 draft vocabulary) — this preset's mixed greedy data, then new prompts of the same mix
 (disjoint `name@A:B` slices and `pystdlib-more`), then code that uses third-party packages
 (`pypackages`) with more chat and math, trained on every committed answer
 (train/data/*.npz, `python -m train.tokens unpack`), then more steps on the same data, then
-on one GPU (configs/smollm2_135m_gpu.py) more answers and 64-sequence steps. For the DFlash
+on one GPU (configs/smollm2_135m_gpu.py) more answers and 64-sequence steps, then here one epoch
+over the answers the GPU left to this CPU. For the DFlash
 baseline: `--set head_type=none`.
 """
 
