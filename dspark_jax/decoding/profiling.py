@@ -176,30 +176,42 @@ def _spread(total: int, slots: int, num_draft: int) -> np.ndarray:
     return np.minimum(base + (np.arange(slots) < rem), num_draft).astype(np.int32)
 
 
+def step_inputs(target, drafter, *, slots: int, num_draft: int, cache_len: int, greedy: bool = False) -> dict:
+    """The inputs a profiled step runs on: empty caches of `cache_len` positions, every slot
+    active with its anchor mid-cache, zero drafts, and greedy (T = 0) or T = 1 sampling."""
+    S, K, T = slots, num_draft, cache_len
+    dparams = drafter.params
+    return {
+        "dparams": dparams,
+        "cache": KVCache.zeros(target.cfg, S, T),
+        "dcache": drafter.init_cache(dparams, S, T),
+        "sa": SamplingArrays.from_params([SamplingParams(temperature=0.0 if greedy else 1.0)] * S),
+        "keys": jax.vmap(jax.random.key)(jnp.arange(S, dtype=jnp.uint32)),
+        # Anchors mid-cache: the masks are dense over T anyway, so the position only has to be valid.
+        "pos": jnp.full((S,), T // 2, jnp.int32),
+        "anchor": jnp.zeros((S,), jnp.int32),
+        "d_tok": jnp.zeros((S, K), jnp.int32),
+        # Greedy verification reads no draft distributions (an empty vocabulary axis).
+        "d_logits": jnp.zeros((S, K, 0 if greedy else target.cfg.vocab_size), jnp.float32),
+        "active": jnp.ones((S,), bool),
+    }
+
+
 def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
                        buckets: Sequence[int], repeats: int = 7, greedy: bool = False) -> StepRates:
     """Times draft(S), verify(S, N) for every bucket N, and the no-draft step (uncached).
     `greedy`: every request greedy (T = 0) — the loop then drafts without the draft
     distributions and verifies by argmax, both cheaper than the sampled path timed otherwise."""
     S, K, T = slots, num_draft, cache_len
-    V = target.cfg.vocab_size
-    dparams = drafter.params
-    cache = KVCache.zeros(target.cfg, S, T)
-    dcache = drafter.init_cache(dparams, S, T)
-    sa = SamplingArrays.from_params([SamplingParams(temperature=0.0 if greedy else 1.0)] * S)
-    keys = jax.vmap(jax.random.key)(jnp.arange(S, dtype=jnp.uint32))
-    # Anchors mid-cache: the masks are dense over T anyway, so the position only has to be valid.
-    pos = jnp.full((S,), T // 2, jnp.int32)
-    anchor = jnp.zeros((S,), jnp.int32)
+    x = step_inputs(target, drafter, slots=S, num_draft=K, cache_len=T, greedy=greedy)
+    dparams, sa, keys, pos, anchor = x["dparams"], x["sa"], x["keys"], x["pos"], x["anchor"]
+    d_tok, d_logits, active = x["d_tok"], x["d_logits"], x["active"]
     tg, ts = target.graphdef, target.state
-    d_tok = jnp.zeros((S, K), jnp.int32)
-    d_logits = jnp.zeros((S, K, 0 if greedy else V), jnp.float32)
-    active = jnp.ones((S,), bool)
 
     # The caches are donated and threaded from call to call, as the decode loop updates them in
     # place: a step that returned a fresh copy would time a copy of the whole cache too (at
     # S = 16 a third of a one-token step), which no real step pays.
-    caches = {"cache": cache, "dcache": dcache}
+    caches = {"cache": x["cache"], "dcache": x["dcache"]}
 
     def verify_fn(n_tokens, q_max, steps):
         nv = jnp.asarray(_spread(n_tokens - S, S, K))
