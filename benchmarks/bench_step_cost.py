@@ -11,7 +11,7 @@ machine's load — and the matmul rows each step multiplies (N, or 3·N with bf1
 measured table (`measure_step_rates`, round-robin medians; needs a quiet machine).
 
     python -m benchmarks.bench_step_cost [--slots 8] [--cache-len 256,512] [--weight-dtype bfloat16]
-        [--drafter smollm2-135m-dspark+ngram] [--sampled] [--time]
+        [--weight-terms 3] [--drafter smollm2-135m-dspark+ngram] [--sampled] [--time]
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--drafter", default="smollm2-135m-dspark+ngram")
     ap.add_argument("--weight-dtype", default="bfloat16", help="bfloat16 or float32 (the weights as stored)")
+    ap.add_argument("--weight-terms", type=int, default=3,
+                    help="bf16 terms per activation under bf16 weights (ModelConfig.weight_terms; 1 = rounded)")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--num-draft", type=int, default=7)
     ap.add_argument("--cache-len", default="256,512", help="comma-separated cache lengths (attention windows)")
@@ -86,10 +88,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args(argv)
     wd = None if a.weight_dtype == "float32" else a.weight_dtype
-    target = ds.load_target(a.target, weight_dtype=wd)
+    target = ds.load_target(a.target, weight_dtype=wd, weight_terms=a.weight_terms)
     drafter = ds.load_drafter(a.drafter, target)
-    terms = 1 if wd is None else 3
-    print(f"{hardware()}; {a.target} weights {a.weight_dtype}, drafter {a.drafter}, S = {a.slots}, K = {a.num_draft}, "
+    terms = 1 if wd is None else a.weight_terms
+    print(f"{hardware()}; {a.target} weights {a.weight_dtype} ({terms} term(s) a row), drafter {a.drafter}, "
+          f"S = {a.slots}, K = {a.num_draft}, "
           f"{'sampled' if a.sampled else 'greedy'}; {machine_load()}")
     for T in (int(t) for t in a.cache_len.split(",")):
         rows, buckets = step_costs(target, drafter, slots=a.slots, num_draft=a.num_draft, cache_len=T,

@@ -82,6 +82,13 @@ class ModelConfig:
     # Weights stored narrower than `dtype` ("bfloat16" under float32 activations: half the
     # memory and traffic, float32 arithmetic; see layers.narrow_weight_dot). None: `dtype`.
     weight_dtype: str | None = None
+    # bfloat16 terms each float32 activation is split into for a narrowed weight's matmul
+    # (`narrow_weight_dot`): 3 = the float32 products (default; greedy speculative output
+    # stays identical to autoregressive), 1 = activations rounded to bf16, the accelerators'
+    # convention: a third of the matmul rows, but a 1-ulp difference in an activation can flip
+    # its rounding, so speculative and autoregressive steps may part at near-ties — for
+    # training data and features (`TrainConfig.target_weight_terms`), not for serving.
+    weight_terms: int = 3
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -95,6 +102,9 @@ class ModelConfig:
         if self.weight_dtype not in (None, self.dtype) and (self.weight_dtype, self.dtype) != ("bfloat16", "float32"):
             raise ValueError(f"weight_dtype must be None, the dtype ({self.dtype!r}) or 'bfloat16' under float32 "
                              f"activations, got {self.weight_dtype!r}")
+        if self.weight_terms not in (1, 2, 3):
+            raise ValueError(f"weight_terms must be 1, 2 or 3 (bf16 terms per float32 activation), got "
+                             f"{self.weight_terms!r}")
 
     @property
     def jnp_dtype(self):

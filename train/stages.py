@@ -27,8 +27,9 @@ from train.progress import MetricsLog, Progress
 
 def load_target(cfg: TrainConfig):
     if cfg.target == "tiny-random":  # tests and smoke runs: no tokenizer, token-id prompts
-        return ds.Target.random(ds.ModelConfig.tiny(), seed=cfg.seed)
-    return ds.load_target(cfg.target)
+        tiny = ds.ModelConfig.tiny(weight_dtype=cfg.target_weight_dtype, weight_terms=cfg.target_weight_terms)
+        return ds.Target.random(tiny, seed=cfg.seed)
+    return ds.load_target(cfg.target, weight_dtype=cfg.target_weight_dtype, weight_terms=cfg.target_weight_terms)
 
 
 def _source_spec(spec: str) -> tuple[str, int, int | None]:

@@ -52,17 +52,20 @@ def _materialize(cfg: ModelConfig, source, tied: bool) -> tuple:
 
 
 def load_target(name_or_path: str, *, dtype: str | None = None, scan_layers: bool = False,
-                weight_dtype: str | None = None) -> Target:
+                weight_dtype: str | None = None, weight_terms: int = 3) -> Target:
     """Loads a target: `"smollm2-135m"`, an HF model directory, or a `.gguf` file.
 
     dtype defaults to float32 (the right choice on CPU); pass "bfloat16" on TPU/GPU.
     weight_dtype="bfloat16" under float32 stores the weights in bf16 and keeps float32
     arithmetic (`Target.with_weight_dtype`): the model becomes the float32 model with
     bf16-rounded weights, and on a CPU with AMX / AVX512-BF16 a step of many tokens costs
-    about what one does (see BENCHMARKS.md, "bf16 weights on the CPU").
+    about what one does (see BENCHMARKS.md, "bf16 weights on the CPU"). `weight_terms` = 1
+    rounds the activations to bf16 for those matmuls instead (`ModelConfig.weight_terms`:
+    faster for many tokens a step, not batch-invariant; for training data, not serving).
     """
     if weight_dtype is not None:
-        return load_target(name_or_path, dtype=dtype, scan_layers=scan_layers).with_weight_dtype(weight_dtype)
+        return load_target(name_or_path, dtype=dtype, scan_layers=scan_layers).with_weight_dtype(weight_dtype,
+                                                                                                  weight_terms)
     overrides = {"scan_layers": scan_layers, "dtype": dtype or "float32"}
     path = embedded_path(name_or_path) if name_or_path in EMBEDDED else name_or_path
     if not os.path.exists(path):

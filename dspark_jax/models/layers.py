@@ -10,6 +10,7 @@ in `dspark_jax/sharding.py` maps them to mesh axes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -43,7 +44,7 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def narrow_weight_dot(x, w_OI):
+def narrow_weight_dot(x, w_OI, terms: int = 3):
     """x [..., I] (float32) @ w_OI.T for weights stored narrower (bfloat16) as [O, I].
 
     Exact in the activations: x = hi + mid + lo, three bfloat16 terms (exact for normal
@@ -52,19 +53,26 @@ def narrow_weight_dot(x, w_OI):
     itself to bfloat16 (the TPU convention) would make the result depend on 1-ulp
     differences in x, which break greedy identity between a speculative and an
     autoregressive step at near-ties. The three terms are stacked as rows of one matmul: on a
-    CPU with AMX / AVX512-BF16, bf16 rows cost nearly nothing up to a few dozen (the weights'
-    memory traffic dominates), and the [O, I] layout is the one its kernels read without
-    repacking. The result has x's dtype."""
+    CPU with AMX / AVX512-BF16, bf16 rows cost little up to ~8 tokens (24 rows; the weights'
+    memory traffic dominates), then each row costs its arithmetic, so three terms triple a
+    large step's matmuls (BENCHMARKS.md, "Stop 37"); the [O, I] layout is the one its kernels
+    read without repacking. The result has x's dtype.
+
+    `terms` < 3 keeps only the leading terms: 1 rounds x to bfloat16 (the accelerators'
+    convention; a third of the rows, not batch-invariant — see `ModelConfig.weight_terms`)."""
     lead, din = x.shape[:-1], x.shape[-1]
     x_MI = x.reshape(-1, din).astype(jnp.float32)
     parts, rest = [], x_MI
-    for _ in range(3):
+    for _ in range(terms):
         p = rest.astype(w_OI.dtype)
         parts.append(p)
         rest = rest - p.astype(jnp.float32)
     m = x_MI.shape[0]
-    y = jnp.einsum("mi,oi->mo", jnp.concatenate(parts), w_OI, preferred_element_type=jnp.float32)
-    y = y[2 * m:] + y[m: 2 * m] + y[:m]  # smallest terms first
+    rows = jnp.concatenate(parts)
+    if rows.shape[0] == 1:  # a single bf16 row takes XLA:CPU's slow path: pad it to two
+        rows = jnp.pad(rows, ((0, 1), (0, 0)))
+    y = jnp.einsum("mi,oi->mo", rows, w_OI, preferred_element_type=jnp.float32)
+    y = functools.reduce(jnp.add, [y[i * m:(i + 1) * m] for i in reversed(range(terms))])  # smallest first
     return y.reshape(*lead, w_OI.shape[0]).astype(x.dtype)
 
 
@@ -73,6 +81,7 @@ class Linear(nnx.Module):
     narrower (bfloat16) weights (out, in), multiplied by `narrow_weight_dot`."""
 
     kernel_layout = "io"
+    narrow_terms = 3  # bf16 terms per activation once narrowed (`narrow_weight_dot`)
 
     def __init__(self, din, dout, axes, *, rngs, dtype, bias=False):
         self.kernel = param(rngs, (din, dout), axes, dtype)
@@ -80,15 +89,16 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         if self.kernel_layout == "oi":
-            y = narrow_weight_dot(x, self.kernel[...])
+            y = narrow_weight_dot(x, self.kernel[...], self.narrow_terms)
         else:
             y = x @ self.kernel[...]
         if self.bias is not None:
             y = y + self.bias[...]
         return y
 
-    def narrow(self, dtype):
+    def narrow(self, dtype, terms: int = 3):
         """Stores the kernel as `dtype` in the (out, in) layout (see `narrow_weight_dot`)."""
+        self.narrow_terms = terms
         if self.kernel_layout == "oi":
             return
         k = self.kernel

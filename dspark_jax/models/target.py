@@ -26,19 +26,21 @@ class Target:
     def random(cls, cfg: ModelConfig, seed: int = 0, tokenizer=None, name="random") -> Target:
         full = cfg.replace(weight_dtype=None)  # built at the activation dtype, then narrowed
         graphdef, state = nnx.split(Transformer(full, rngs=nnx.Rngs(seed)))
-        return cls(full, graphdef, state, tokenizer, name).with_weight_dtype(cfg.weight_dtype)
+        return cls(full, graphdef, state, tokenizer, name).with_weight_dtype(cfg.weight_dtype, cfg.weight_terms)
 
-    def with_weight_dtype(self, weight_dtype: str | None) -> Target:
+    def with_weight_dtype(self, weight_dtype: str | None, terms: int = 3) -> Target:
         """This target with its matmul weights stored as `weight_dtype` ("bfloat16" under
-        float32 activations; see `Transformer.narrow_weights`). None or the activation dtype:
-        itself."""
-        if weight_dtype in (None, self.cfg.dtype, self.cfg.weight_dtype):
+        float32 activations; see `Transformer.narrow_weights`), each activation multiplied as
+        `terms` bf16 terms (`ModelConfig.weight_terms`: 3, exact, unless you want speed over
+        batch invariance). None or the activation dtype: itself."""
+        if weight_dtype in (None, self.cfg.dtype) or (weight_dtype, terms) == (self.cfg.weight_dtype,
+                                                                                self.cfg.weight_terms):
             return self
         if self.cfg.weight_dtype not in (None, self.cfg.dtype):
-            raise ValueError(f"the weights are already {self.cfg.weight_dtype}")
-        cfg = self.cfg.replace(weight_dtype=weight_dtype)  # validates the pair
+            raise ValueError(f"the weights are already {self.cfg.weight_dtype} ({self.cfg.weight_terms} terms)")
+        cfg = self.cfg.replace(weight_dtype=weight_dtype, weight_terms=terms)  # validates them
         model = self.module()
-        model.narrow_weights(jnp.dtype(weight_dtype))
+        model.narrow_weights(jnp.dtype(weight_dtype), terms)
         model.cfg = cfg
         graphdef, state = nnx.split(model)
         return dataclasses.replace(self, cfg=cfg, graphdef=graphdef, state=state)

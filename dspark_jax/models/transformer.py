@@ -296,7 +296,7 @@ class Transformer(nnx.Module):
 
     lm_head_layout = "dv"
 
-    def narrow_weights(self, dtype):
+    def narrow_weights(self, dtype, terms: int = 3):
         """Stores every matmul weight (projections, LM head) as `dtype` — bfloat16 under float32
         activations: `layers.narrow_weight_dot` multiplies them exactly in the activations, so
         the model computes as the float32 model with bf16-rounded weights.
@@ -310,7 +310,7 @@ class Transformer(nnx.Module):
         the table once per call)."""
         for _, m in nnx.iter_graph(self):
             if isinstance(m, Linear):
-                m.narrow(dtype)
+                m.narrow(dtype, terms)
         emb = self.embed_tokens
         axes = tuple(emb.get_metadata()["axes"])
         if self.lm_head is None:  # tied: the head is the table's rows, [V, D] as `narrow_weight_dot` reads it
@@ -339,10 +339,10 @@ class Transformer(nnx.Module):
         if self.lm_head is None:  # tied: contract with the [V, D] embedding as stored (no transposed copy)
             emb = self.embed_tokens[...]
             if emb.dtype != h.dtype:
-                return narrow_weight_dot(h, emb).astype(jnp.float32)
+                return narrow_weight_dot(h, emb, self.cfg.weight_terms).astype(jnp.float32)
             return jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
         if self.lm_head_layout == "vd":
-            return narrow_weight_dot(h, self.lm_head[...]).astype(jnp.float32)
+            return narrow_weight_dot(h, self.lm_head[...], self.cfg.weight_terms).astype(jnp.float32)
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, cache: KVCache, tokens_N, starts_S, counts_S, *, q_max: int,

@@ -109,3 +109,46 @@ def test_weight_dtype_is_validated():
     with pytest.raises(ValueError, match="weight_dtype"):
         ds.ModelConfig.tiny(dtype="bfloat16", weight_dtype="float32")
     assert ds.ModelConfig.tiny(dtype="bfloat16", weight_dtype="bfloat16").weight_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="weight_terms"):
+        ds.ModelConfig.tiny(weight_dtype="bfloat16", weight_terms=4)
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_fewer_terms_round_the_activations(terms):
+    """terms = 1: the product of the bf16-rounded activations (the accelerators' convention),
+    terms = 2: of their leading 16 bits — up to float32 summation order, and further from the
+    float32 product than the three exact terms; one row (padded to two) alike."""
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((7, 96)) * np.exp(rng.uniform(-4, 4, (7, 96)))).astype(np.float32)
+    w_OI = jnp.asarray(rng.standard_normal((40, 96)) * 0.1, jnp.bfloat16)
+    w64 = np.asarray(w_OI.astype(jnp.float32), np.float64)
+    xj = jnp.asarray(x)
+    lead = xj.astype(jnp.bfloat16).astype(jnp.float32)
+    if terms == 2:
+        lead = lead + (xj - lead).astype(jnp.bfloat16).astype(jnp.float32)
+    want = np.asarray(lead, np.float64) @ w64.T
+    exact = x.astype(np.float64) @ w64.T
+    scale = np.abs(x).max() * 0.1 * np.sqrt(96)
+    got = np.asarray(narrow_weight_dot(xj, w_OI, terms))
+    assert np.abs(got - want).max() / scale < 1e-6
+    three = np.abs(np.asarray(narrow_weight_dot(xj, w_OI)) - exact).max()
+    assert np.abs(got - exact).max() > {1: 100, 2: 5}[terms] * three  # 2⁻⁹ and 2⁻¹⁷ against float32 sums
+    np.testing.assert_allclose(np.asarray(narrow_weight_dot(xj[:1], w_OI, terms)), got[:1], rtol=0, atol=1e-6 * scale)
+
+
+def test_one_term_target_computes_at_bf16_precision(tiny_target):
+    """`weight_terms=1` reaches every narrowed matmul (projections and LM head): logits move
+    from the exact narrowed model's by bf16 rounding, not more."""
+    f32 = tiny_target("qwen2", seed=3, num_layers=2)
+    exact = f32.with_weight_dtype("bfloat16")
+    fast = f32.with_weight_dtype("bfloat16", 1)
+    assert (fast.cfg.weight_dtype, fast.cfg.weight_terms, exact.cfg.weight_terms) == ("bfloat16", 1, 3)
+    seq = np.random.default_rng(1).integers(0, 128, 16)
+    a, b = np.asarray(ds.logits(exact, seq)), np.asarray(ds.logits(fast, seq))
+    diff = np.abs(a - b).max() / np.abs(a).max()
+    assert 1e-5 < diff < 3e-2
+    with pytest.raises(ValueError, match="already"):
+        exact.with_weight_dtype("bfloat16", 1)
+    assert fast.with_weight_dtype("bfloat16", 1) is fast
+    # A config that asks for it gets it from Target.random too.
+    assert ds.Target.random(f32.cfg.replace(weight_dtype="bfloat16", weight_terms=1)).cfg.weight_terms == 1

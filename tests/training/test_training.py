@@ -309,3 +309,18 @@ def test_tpu_presets_size_with_eval_shape(preset, capsys):
     # 8B target in bf16: 15–16 GiB in all, 1/64 of its sharded tensors per device.
     total = float(out.split("target (frozen)")[1].split("GiB")[0])
     assert 14.0 < total < 17.0
+
+
+def test_the_target_runs_with_the_configured_numerics():
+    """`target_weight_dtype` / `target_weight_terms` reach the target every stage loads
+    (`--set target_weight_dtype=bfloat16 --set target_weight_terms=1`: regeneration and the
+    feature cache at bf16 precision); the default is the float32 model."""
+    from train.config import TrainConfig
+    from train.stages import load_target
+
+    cfg = TrainConfig(target="tiny-random")
+    assert load_target(cfg).cfg.weight_dtype is None
+    fast = load_target(cfg.with_overrides(["target_weight_dtype=bfloat16", "target_weight_terms=1"]))
+    assert (fast.cfg.weight_dtype, fast.cfg.weight_terms) == ("bfloat16", 1)
+    with pytest.raises(ValueError, match="weight_terms"):
+        load_target(cfg.with_overrides(["target_weight_dtype=bfloat16", "target_weight_terms=5"]))
