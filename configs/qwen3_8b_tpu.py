@@ -13,6 +13,7 @@ from train.config import TrainConfig
 
 def get_config() -> TrainConfig:
     return TrainConfig(
+        target_dtype="bfloat16",
         target="qwen3-8b", prompt_sources=("sharegpt",), max_prompts=1_000_000, max_prompt_tokens=1024,
         regen_max_new_tokens=4096, block_size=7, num_draft_layers=5, num_feature_layers=5, head_type="markov",
         markov_rank=256, draft_vocab_size=0, seq_len=4096, num_anchors=512, batch_size=512, num_epochs=10,

@@ -68,11 +68,13 @@ class TrainConfig:
     # "" = from scratch.
     init_from: str = ""
     feature_cache: bool = True  # offline mode: one target forward per sequence, reused every epoch
-    # The target as the data, train and calibrate stages run it: weights stored as
+    # The target as the data, train and calibrate stages run it: in `target_dtype` ("bfloat16"
+    # on TPU/GPU: half the memory of a frozen 8B target; float32 on CPU), weights stored as
     # `target_weight_dtype` ("bfloat16" under float32 activations), each activation multiplied
     # as `target_weight_terms` bf16 terms (ModelConfig.weight_terms; 1 = rounded to bf16, the
     # accelerators' convention — on a CPU with AVX512-BF16 about twice the float32 model's speed
     # for regeneration and the feature cache, at bf16's precision). None: the float32 model.
+    target_dtype: str = "float32"
     target_weight_dtype: str | None = None
     target_weight_terms: int = 3
     seed: int = 0

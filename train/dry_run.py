@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         print(f"error: dry runs need a preset target geometry ({sorted(PRESETS)}), got {name!r}", file=sys.stderr)
         return 2
     mesh = dict(zip(("data", "fsdp", "tensor"), (int(x) for x in args.mesh.split(","))))
-    tcfg = ModelConfig(**PRESETS[name])
+    tcfg = ModelConfig(**{**PRESETS[name], "dtype": cfg.target_dtype})  # as the stages load it
     _, tstate = Target.abstract(tcfg)
 
     class _T:  # what drafter_config reads

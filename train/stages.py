@@ -27,9 +27,11 @@ from train.progress import MetricsLog, Progress
 
 def load_target(cfg: TrainConfig):
     if cfg.target == "tiny-random":  # tests and smoke runs: no tokenizer, token-id prompts
-        tiny = ds.ModelConfig.tiny(weight_dtype=cfg.target_weight_dtype, weight_terms=cfg.target_weight_terms)
+        tiny = ds.ModelConfig.tiny(dtype=cfg.target_dtype, weight_dtype=cfg.target_weight_dtype,
+                                   weight_terms=cfg.target_weight_terms)
         return ds.Target.random(tiny, seed=cfg.seed)
-    return ds.load_target(cfg.target, weight_dtype=cfg.target_weight_dtype, weight_terms=cfg.target_weight_terms)
+    return ds.load_target(cfg.target, dtype=cfg.target_dtype, weight_dtype=cfg.target_weight_dtype,
+                          weight_terms=cfg.target_weight_terms)
 
 
 def _source_spec(spec: str) -> tuple[str, int, int | None]:

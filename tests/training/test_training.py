@@ -312,9 +312,10 @@ def test_tpu_presets_size_with_eval_shape(preset, capsys):
 
 
 def test_the_target_runs_with_the_configured_numerics():
-    """`target_weight_dtype` / `target_weight_terms` reach the target every stage loads
-    (`--set target_weight_dtype=bfloat16 --set target_weight_terms=1`: regeneration and the
-    feature cache at bf16 precision); the default is the float32 model."""
+    """`target_dtype` (the TPU presets: bfloat16) and `target_weight_dtype` /
+    `target_weight_terms` (`--set target_weight_dtype=bfloat16 --set target_weight_terms=1`:
+    regeneration and the feature cache at bf16 precision on a CPU) reach the target every stage
+    loads; the default is the float32 model."""
     from train.config import TrainConfig
     from train.stages import load_target
 
@@ -322,5 +323,6 @@ def test_the_target_runs_with_the_configured_numerics():
     assert load_target(cfg).cfg.weight_dtype is None
     fast = load_target(cfg.with_overrides(["target_weight_dtype=bfloat16", "target_weight_terms=1"]))
     assert (fast.cfg.weight_dtype, fast.cfg.weight_terms) == ("bfloat16", 1)
+    assert load_target(cfg.with_overrides(["target_dtype=bfloat16"])).cfg.dtype == "bfloat16"
     with pytest.raises(ValueError, match="weight_terms"):
         load_target(cfg.with_overrides(["target_weight_dtype=bfloat16", "target_weight_terms=5"]))
