@@ -12,7 +12,10 @@ The recipe is sized for 2 CPU cores (see BENCHMARKS.md, "Drafter recipe"):
   users ask — code (`pystdlib`: implement a standard-library function from its signature and
   docstring), math (`mathgen`: generated word problems) and chat (`sharegpt`) — never the
   evaluation prompts (a test checks the split); 128 new tokens per answer, regenerated in
-  batches of 64 (~60 tok/s here);
+  batches of 64 (~190 tok/s here in float32; ~270 with `--set target_weight_dtype=bfloat16
+  --set target_weight_terms=1`, activations rounded to bf16, which also runs the feature cache
+  1.9× faster — opt-in until a float32 control says it costs the drafter nothing: BENCHMARKS.md,
+  "Stop 37");
 - labels: the target's argmax at every predicted position (`loss_labels="target"`); loss CE +
   KL(p_t ‖ p_d) + confidence (DeepSpec's 0.1·CE + 0.9·TV learns far slower from scratch: its
   gradient scales with the draft's own probability), with the target's distribution over the
