@@ -26,7 +26,7 @@ from flax import nnx
 import dspark_jax as ds
 from benchmarks.common import hardware, machine_load, table
 from dspark_jax.decoding.decode_loop import verify_bucket
-from dspark_jax.decoding.profiling import default_buckets, measure_step_rates, step_inputs
+from dspark_jax.decoding.profiling import default_buckets, measure_step_rates, spread_drafts, step_inputs
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max", "defer_to"),
@@ -65,8 +65,7 @@ def step_costs(target, drafter, *, slots: int, num_draft: int, cache_len: int, g
     tg, ts = target.graphdef, target.state
     rows = [("draft", S, *_cost(_one_draft.lower(tg, ts, drafter, dparams, dcache, anchor, pos, keys, sa).compile()))]
     for name, n, q in [("no drafts", S, 1)] + [("verify", b, K + 1) for b in buckets]:
-        base, rem = divmod(n - S, S)
-        nv = jnp.minimum(base + (jnp.arange(S) < rem), K).astype(jnp.int32)
+        nv = jnp.asarray(spread_drafts(n - S, S, K))
         low = _one_verify.lower(tg, ts, drafter, dparams, cache, dcache, pos, anchor, sa, keys, d_tok, d_logits, nv,
                                 active, num_tokens=n, q_max=q, defer_to=max(buckets))
         rows.append((name, n, *_cost(low.compile())))

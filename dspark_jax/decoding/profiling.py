@@ -170,7 +170,7 @@ def _median_times(fns, repeats: int, warmup: int = 2) -> list[float]:
     return [statistics.median(ts) for ts in times]
 
 
-def _spread(total: int, slots: int, num_draft: int) -> np.ndarray:
+def spread_drafts(total: int, slots: int, num_draft: int) -> np.ndarray:
     """Drafts per slot for `total` drafts over `slots` slots, as even as possible."""
     base, rem = divmod(total, slots)
     return np.minimum(base + (np.arange(slots) < rem), num_draft).astype(np.int32)
@@ -214,7 +214,7 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
     caches = {"cache": x["cache"], "dcache": x["dcache"]}
 
     def verify_fn(n_tokens, q_max, steps):
-        nv = jnp.asarray(_spread(n_tokens - S, S, K))
+        nv = jnp.asarray(spread_drafts(n_tokens - S, S, K))
 
         def call():
             out = _verify_step(tg, ts, drafter, dparams, caches["cache"], caches["dcache"], pos, anchor, sa, keys,
