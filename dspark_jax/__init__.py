@@ -8,7 +8,7 @@
 from dspark_jax.config import ModelConfig
 from dspark_jax.decoding.decode_config import DecodeConfig
 from dspark_jax.decoding.generate import GenerationOutput, generate
-from dspark_jax.decoding.profiling import StepRates, profile_step_rates
+from dspark_jax.decoding.profiling import StepRates, profile_step_rates, profile_window_rates
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import schedule
 from dspark_jax.decoding.verification import verify
@@ -36,6 +36,7 @@ __all__ = [
     "load_target",
     "logits",
     "profile_step_rates",
+    "profile_window_rates",
     "save_drafter",
     "schedule",
     "verify",

@@ -44,7 +44,14 @@ import numpy as np
 
 from dspark_jax.decoding.decode_config import DecodeConfig
 from dspark_jax.decoding.decode_loop import GenState, SchedArrays, acceptance_prior, decode_loop, request_stop_ids
-from dspark_jax.decoding.generate import attention_windows, encode_prompt, loop_settings, next_pow2, pick_window
+from dspark_jax.decoding.generate import (
+    WindowSched,
+    attention_windows,
+    encode_prompt,
+    loop_settings,
+    next_pow2,
+    pick_window,
+)
 from dspark_jax.decoding.prefill import admit, prefill_one, prefill_rows
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
@@ -126,13 +133,17 @@ class Engine:
         # Two step-rate tables when profiled here: the sampled cycle's, and the cheaper greedy
         # cycle's (argmax verification, no draft distributions) used while every running
         # request is at T = 0 — the program the engine runs then (`SamplingArrays.all_greedy`).
+        # Each table is profiled per cache length the engine decodes at (its windows and T):
+        # `step` schedules with the one of the cache's current length.
         schedule = config.loop_schedule(policy)
-        self.settings, self.sched, self.step_rates = loop_settings(
-            target, drafter, schedule, K, slots, self.T, config.threshold, step_rates, False)
-        self.greedy_settings, self.greedy_sched, self.greedy_step_rates = (
-            loop_settings(target, drafter, schedule, K, slots, self.T, config.threshold, None, False, greedy=True)
+        windows = [w for w in self.windows if w is not None]
+        self.settings, self.sched = loop_settings(target, drafter, schedule, K, slots, self.T, config.threshold,
+                                                  step_rates, False, windows=windows)
+        self.greedy_settings, self.greedy_sched = (
+            loop_settings(target, drafter, schedule, K, slots, self.T, config.threshold, None, False, greedy=True,
+                          windows=windows)
             if step_rates is None and self.sched is not None and schedule != "threshold" else
-            (self.settings, self.sched, self.step_rates))
+            (self.settings, self.sched))
         O = next_pow2(max_new_tokens) + K + 1
         self.M = 8  # stop ids per request
         self.dparams = drafter.params if drafter is not None else None
@@ -163,6 +174,16 @@ class Engine:
         # requests' k, one program per power of two: pinned to 0 (the general path).
         return dataclasses.replace(SamplingArrays.from_params(self.slot_params), use_top_k=True, use_top_p=True,
                                    use_min_p=True, top_k_max=0)
+
+    @property
+    def step_rates(self):
+        """The sampled cycle's step-rate table at the whole cache (None: not scheduled)."""
+        return self.sched.table(self.T) if self.sched is not None and self.sched.tables else None
+
+    @property
+    def greedy_step_rates(self):
+        """The greedy cycle's step-rate table at the whole cache."""
+        return self.greedy_sched.table(self.T) if self.greedy_sched is not None and self.greedy_sched.tables else None
 
     # ------------------------------------------------------------------ public API
 
@@ -234,7 +255,7 @@ class Engine:
                 for u in range(len(buckets)):
                     rates = np.full(len(buckets), 1e-6, np.float32)
                     rates[u] = 1e6
-                    setattr(self, name, SchedArrays.make(rates, 0.0, base.threshold))
+                    setattr(self, name, WindowSched.fixed(SchedArrays.make(rates, 0.0, base.at(self.T).threshold)))
                     b0, c0 = int(self.st.bucket_sum), int(self.st.steps)
                     for _ in range(self.S):
                         self.submit(list(unit), SamplingParams(temperature=temp, seed=0, ignore_eos=True,
@@ -269,7 +290,8 @@ class Engine:
             settings, sched = ((self.greedy_settings, self.greedy_sched) if self.sa.all_greedy
                                else (self.settings, self.sched))
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
-                                  self.sa, jnp.int32(self.cycles_per_step), sched,
+                                  self.sa, jnp.int32(self.cycles_per_step),
+                                  sched.at(length) if sched is not None else None,
                                   settings=dataclasses.replace(settings, kv_window=window))
             self._collect()
         self.busy_s += time.perf_counter() - t0

@@ -11,6 +11,7 @@
 - `sharpen`: redraws a random target's weights at informative scales (clear argmax gaps,
   so greedy comparisons across differently shaped programs are not decided by fp32 noise).
 - `random_prompts`: token-id prompts of given lengths for the tiny targets.
+- `window_tables`: a stand-in step-rate measurement whose table depends on the cache length.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flax import nnx
 from scipy import stats
 
 import dspark_jax as ds
+from dspark_jax.decoding import profiling
 
 
 def ref_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -162,3 +164,20 @@ def random_prompts(lengths, seed=0, high=128):
     """Prompts of the given lengths, token ids drawn from [3, high) (above the special ids)."""
     rng = np.random.default_rng(seed)
     return [rng.integers(3, high, n).tolist() for n in lengths]
+
+
+def window_tables(monkeypatch, tmp_path, cheap_at=512):
+    """Stands in for the step-rate measurement: at cache lengths below `cheap_at` every
+    verified draft costs far more than it can return (the loop never drafts), from it on
+    they are almost free (it verifies every draft). Records the lengths measured."""
+    measured = []
+
+    def fake(target, drafter, *, slots, num_draft, cache_len, buckets, repeats=7, greedy=False):
+        measured.append(cache_len)
+        per_step = (1.0, 1 / 0.99, 1 / 0.98, 1 / 0.97) if cache_len >= cheap_at else (1.0, 1 / 0.3, 1 / 0.2, 1 / 0.1)
+        return profiling.StepRates(slots, tuple(buckets), 1e-3, tuple(per_step[: len(buckets)]), ar_s=cache_len / 256)
+
+    monkeypatch.setenv("DSPARK_SPS_CACHE", str(tmp_path))
+    monkeypatch.setattr("dspark_jax.decoding.profiling.measure_step_rates", fake)
+    return measured
+

@@ -31,7 +31,7 @@ from dspark_jax.decoding.decode_loop import (
     take_slots,
 )
 from dspark_jax.decoding.prefill import next_pow2, prefill, prefill_one, start_decoding
-from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
+from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_window_rates
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.decoding.seeds import request_keys, resolve_seed
 from dspark_jax.decoding.stop_strings import stop_string_cut
@@ -59,7 +59,8 @@ class GenerationStats(TypedDict, total=False):
     budget_per_step: float  # packed tokens used per target step (S + Σ ℓ)
     bucket_per_step: float  # packed tokens paid for per step (the bucket)
     drafted_steps: float  # fraction of steps that ran the drafter (< 1 when async skipped it)
-    step_rates: dict[str, Any]  # the scheduler's step-rate table
+    step_rates: dict[str, Any]  # the scheduler's step-rate table (at the whole cache)
+    window_step_rates: dict[int, dict[str, Any]]  # the tables at the cache lengths the loop ran at
     scheduler: str  # "async", "sync", "threshold" or "custom" (scheduled policies)
 
 
@@ -159,8 +160,10 @@ def generate(
     (conf [S, K], active [S], caps [S], rates [U], buckets) -> lengths [S] is run in place
     of "sync"), "threshold" (verify drafts whose survival is ≥ `threshold`).
     step_rates: the step-rate table of "dspark" — a `StepRates`, or a mapping
-    {packed tokens: steps/s} whose keys become the buckets; None profiles it (cached on
-    disk; `reprofile=True` measures again).
+    {packed tokens: steps/s} whose keys become the buckets, used at every attention window;
+    None profiles it at the smallest window and the whole cache, linear in between, and
+    each loop schedules with its window's table (cached on disk; `reprofile=True` measures
+    again).
 
     prefill_chunk: prompt tokens per prefill step (a static size). Prefill memory grows with
     chunk × cache length rather than prompt × cache length; 512 keeps a SmolLM2 prompt at its
@@ -191,8 +194,9 @@ def generate(
     policy, drafter, K = config.resolve(target, drafter)
     plan = _plan(target, prompts, sampling, config, K)
     st, sa = _initial_state(target, drafter, plan)
-    settings, sched, rates_table = loop_settings(target, drafter, config.loop_schedule(policy), K, plan.S, plan.T,
-                                                  config.threshold, step_rates, reprofile, greedy=sa.all_greedy)
+    settings, sched = loop_settings(target, drafter, config.loop_schedule(policy), K, plan.S, plan.T,
+                                    config.threshold, step_rates, reprofile, greedy=sa.all_greedy,
+                                    windows=plan.windows)
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
     st = _prefill(target, drafter, st, sa, plan, config)
@@ -201,7 +205,7 @@ def generate(
     run = _run(target, drafter, st, sa, plan, config, settings, sched)
     t2 = time.perf_counter()
     c1, cs1 = compile_stats.snapshot()
-    return _report(target, drafter, plan, run, policy, settings, rates_table,
+    return _report(target, drafter, plan, run, policy, settings, sched,
                    prefill_s=t1 - t0, decode_s=t2 - t1, compiles=c1 - c0, compile_s=cs1 - cs0)
 
 
@@ -312,7 +316,7 @@ class _Run:
 
 
 def _run(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _Plan, config: DecodeConfig,
-         settings: LoopSettings, sched) -> _Run:
+         settings: LoopSettings, sched: WindowSched | None) -> _Run:
     """Runs the jitted decode loop until every request is done: in one call, or in chunks of
     `chunk_cycles` when stop strings need a host check, moving to a bigger attention window as
     contexts grow and compacting the slots as requests finish."""
@@ -344,7 +348,8 @@ def _run(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _Plan,
         loop = dataclasses.replace(settings, kv_window=window, compact_at=n_slots // 2 if compact else 0,
                                    makespan=config.makespan and settings.policy == "async")
         st = decode_loop(target.graphdef, target.state, drafter, dparams, st, sa,
-                         jnp.int32(max_cycles), sched, settings=loop)
+                         jnp.int32(max_cycles), sched.at(window or plan.T) if sched is not None else None,
+                         settings=loop)
         done = np.array(st.done)  # a writable copy: np.asarray of a jax.Array is read-only
         if use_host_stops:
             out, n_out = np.asarray(st.out), np.asarray(st.n_out)
@@ -374,7 +379,8 @@ def _run(target: Target, drafter, st: GenState, sa: SamplingArrays, plan: _Plan,
     return _Run(st=st, final=final, cut=cut, windows=used_windows, slot_buckets=used_slots)
 
 
-def _report(target: Target, drafter, plan: _Plan, run: _Run, policy, settings: LoopSettings, rates_table, *,
+def _report(target: Target, drafter, plan: _Plan, run: _Run, policy, settings: LoopSettings,
+            sched: WindowSched | None, *,
             prefill_s: float, decode_s: float, compiles: int, compile_s: float) -> GenerationOutput:
     """Texts, token ids and `GenerationStats` of a finished run."""
     B, final, cut, st = plan.B, run.final, run.cut, run.st
@@ -421,8 +427,11 @@ def _report(target: Target, drafter, plan: _Plan, run: _Run, policy, settings: L
         stats["budget_per_step"] = int(st.budget_sum) / steps  # packed tokens used, N = S + Σℓ
         stats["bucket_per_step"] = int(st.bucket_sum) / steps  # packed tokens paid for
         stats["drafted_steps"] = int(st.drafted_steps) / steps  # < 1 when async skipped drafting
-        if rates_table is not None:
-            stats["step_rates"] = rates_table.to_dict()
+        if sched is not None and sched.tables:
+            stats["step_rates"] = sched.table(plan.T).to_dict()
+            if len(sched.tables) > 1:  # one per cache length the loop ran at (and the whole cache)
+                stats["window_step_rates"] = {t: sched.table(t).to_dict()
+                                              for t in sorted({w or plan.T for w in run.windows} | {plan.T})}
         if settings.policy != "fixed":
             stats["scheduler"] = settings.policy if isinstance(settings.policy, str) else "custom"
     return GenerationOutput(texts, token_ids, stats)
@@ -441,28 +450,58 @@ def _save_rows(final: dict, st: GenState, rows: np.ndarray, which) -> None:
         final[int(rows[r])] = {f: host[f][r] for f in _SAVED}
 
 
-def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofile, greedy=False):
-    """(LoopSettings, SchedArrays or None, StepRates or None) for the cycle's schedule `name`
+@dataclasses.dataclass(frozen=True)
+class WindowSched:
+    """The scheduled policies' traced inputs per cache length a decode loop runs at (its
+    attention windows and its whole cache), each from that length's step-rate table. A
+    step's attention reads the window, so where drafting pays moves with it; the arrays are
+    traced inputs, so switching between them compiles nothing."""
+
+    arrays: dict[int, SchedArrays]
+    tables: dict[int, StepRates]
+
+    def at(self, length: int) -> SchedArrays:
+        """The arrays of the smallest profiled length that holds `length` (else the longest)."""
+        return self.arrays[self._length(length)]
+
+    def table(self, length: int) -> StepRates:
+        return self.tables[self._length(length)]
+
+    def _length(self, length: int) -> int:
+        return next((t for t in sorted(self.arrays) if t >= length), max(self.arrays))
+
+    @classmethod
+    def fixed(cls, sched: SchedArrays, table: StepRates | None = None) -> WindowSched:
+        """One set of arrays at every length (a table given by the caller, or a forced one)."""
+        return cls({0: sched}, {0: table} if table is not None else {})
+
+
+def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofile, greedy=False, windows=()):
+    """(LoopSettings, WindowSched or None) for the cycle's schedule `name`
     (`DecodeConfig.loop_schedule`). `greedy` (every request at T = 0) profiles the cheaper
-    greedy cycle (no draft distributions, argmax verification) instead of the sampled one."""
+    greedy cycle (no draft distributions, argmax verification) instead of the sampled one.
+    A profiled table is measured per cache length the loop runs at — `windows` (the
+    attention windows below T) and T (`profile_window_rates`); a given `step_rates` holds
+    at every length."""
     if drafter is None or name == "fixed":
-        return LoopSettings(num_draft=K), None, None
+        return LoopSettings(num_draft=K), None
     if isinstance(step_rates, StepRates):
         if step_rates.slots != S:
             raise ValueError(f"step_rates were measured for {step_rates.slots} slots, but this call runs {S} "
                              "(the batch rounded up to a power of two); profile the table for that slot count")
-        table = step_rates
+        tables = {T: step_rates}
     elif step_rates is not None:
-        table = StepRates.from_mapping(step_rates, slots=S)
+        tables = {T: StepRates.from_mapping(step_rates, slots=S)}
     elif name == "threshold":  # needs buckets, not rates
-        table = StepRates.from_mapping({n: 1.0 for n in default_buckets(S, K)}, slots=S)
+        tables = {T: StepRates.from_mapping({n: 1.0 for n in default_buckets(S, K)}, slots=S)}
     else:
-        table = profile_step_rates(target, drafter, slots=S, num_draft=K, cache_len=T, reprofile=reprofile,
-                                   greedy=greedy)
+        tables = profile_window_rates(target, drafter, slots=S, num_draft=K, lengths=[*windows, T],
+                                      reprofile=reprofile, greedy=greedy)
+    table = tables[T]
     buckets = tuple(n for n in table.buckets if n <= S * (K + 1))
     if not buckets or buckets[-1] < S:
         raise ValueError(f"the step-rate table's buckets {table.buckets} need one of at least {S} packed "
                          f"tokens (the anchors of {S} slots) and at most {S * (K + 1)}")
-    rates = table.rates[: len(buckets)]
     settings = LoopSettings(num_draft=K, policy=name, buckets=buckets)
-    return settings, SchedArrays.make(rates, table.skip_rate, threshold), table
+    arrays = {t: SchedArrays.make(tb.rates[: len(buckets)], tb.skip_rate, threshold) for t, tb in tables.items()}
+    return settings, WindowSched(arrays, tables)

@@ -83,6 +83,23 @@ class StepRates:
                 "key": self.key}
 
     @classmethod
+    def between(cls, lo: StepRates, hi: StepRates, lo_len: int, hi_len: int, length: int) -> StepRates:
+        """The table at cache length `length`, linear between tables measured at `lo_len` and
+        `hi_len` (a step's attention reads the window; the rest of it does not depend on it)."""
+        if lo.slots != hi.slots or lo.buckets != hi.buckets or not lo_len < hi_len:
+            raise ValueError("interpolate between two tables of one slot count and bucket list, "
+                             f"at two cache lengths (got {lo_len} and {hi_len})")
+        f = (length - lo_len) / (hi_len - lo_len)
+
+        def mix(a, b):
+            return float(a + f * (b - a))
+
+        key = None if hi.key is None else {**hi.key, "cache_len": length, "interpolated": [lo_len, hi_len]}
+        return cls(lo.slots, lo.buckets, mix(lo.draft_s, hi.draft_s),
+                   tuple(mix(a, b) for a, b in zip(lo.verify_s, hi.verify_s)),
+                   mix(lo.ar_s, hi.ar_s) if np.isfinite(lo.ar_s) and np.isfinite(hi.ar_s) else float("inf"), key)
+
+    @classmethod
     def from_dict(cls, d: dict) -> StepRates:
         return cls(int(d["slots"]), tuple(d["buckets"]), float(d["draft_s"]), tuple(d["verify_s"]),
                    float("inf") if d.get("ar_s") is None else float(d["ar_s"]), d.get("key"))
@@ -268,3 +285,21 @@ def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
         json.dump(table.to_dict(), f, indent=1)
     os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
     return table
+
+
+def profile_window_rates(target, drafter, *, slots: int, num_draft: int, lengths: Sequence[int],
+                         reprofile: bool = False, greedy: bool = False, **kw) -> dict[int, StepRates]:
+    """A step-rate table per cache length in `lengths` (the attention windows a decode loop
+    runs in, and its whole cache): measured at the shortest and the longest
+    (`profile_step_rates`, cached on disk), linear in between. A step's attention reads its
+    window, so the cost of verification against a step without drafts — where drafting
+    pays — moves with the window: one table at the longest window would make the scheduler
+    draft too eagerly at the short ones (BENCHMARKS.md, "Stop 38")."""
+    lengths = sorted(set(int(t) for t in lengths))
+    if not lengths:
+        raise ValueError("need at least one cache length")
+    lo, hi = lengths[0], lengths[-1]
+    measured = {t: profile_step_rates(target, drafter, slots=slots, num_draft=num_draft, cache_len=t,
+                                      reprofile=reprofile, greedy=greedy, **kw) for t in {lo, hi}}
+    return {t: measured[t] if t in measured else StepRates.between(measured[lo], measured[hi], lo, hi, t)
+            for t in lengths}

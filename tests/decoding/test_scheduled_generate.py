@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from spec_helpers import sharpen
+from spec_helpers import sharpen, window_tables
 
 import dspark_jax as ds
 from dspark_jax.decoding.decode_loop import GenState, LoopSettings, SchedArrays, decode_loop
@@ -230,3 +230,62 @@ def test_the_bucket_switch_never_copies_the_caches(tiny):
         return jax.lax.switch(i, [lambda: x.at[0, 0, 0, i].set(1.0), lambda: x.at[1, 0, 0, i].set(2.0)])
 
     assert _hlo_shape(buf) in _copied_shapes(control.lower(buf, jnp.int32(0)).compile().as_text())
+
+
+def test_a_table_between_two_cache_lengths_is_linear():
+    lo = StepRates(2, (2, 4), 0.010, (0.020, 0.030), ar_s=0.015, key={"cache_len": 256})
+    hi = StepRates(2, (2, 4), 0.014, (0.040, 0.050), ar_s=0.035, key={"cache_len": 1024})
+    mid = StepRates.between(lo, hi, 256, 1024, 512)  # a third of the way
+    assert mid.draft_s == pytest.approx(0.010 + 0.004 / 3) and mid.ar_s == pytest.approx(0.015 + 0.020 / 3)
+    assert mid.verify_s == pytest.approx((0.020 + 0.020 / 3, 0.030 + 0.020 / 3))
+    assert mid.key == {"cache_len": 512, "interpolated": [256, 1024]}
+    assert StepRates.between(lo, hi, 256, 1024, 1024).verify_s == pytest.approx(hi.verify_s)
+    with pytest.raises(ValueError, match="one slot count and bucket list"):
+        StepRates.between(lo, dataclasses.replace(hi, buckets=(2, 3)), 256, 1024, 512)
+
+
+def test_window_tables_are_measured_at_the_ends_only(tiny, tmp_path, monkeypatch):
+    from dspark_jax.decoding.profiling import profile_window_rates
+
+    measured = window_tables(monkeypatch, tmp_path, cheap_at=2048)
+    tables = profile_window_rates(tiny["target"], tiny["drafter"], slots=2, num_draft=K,
+                                  lengths=[512, 256, 1024, 2048])
+    assert sorted(measured) == [256, 2048] and sorted(tables) == [256, 512, 1024, 2048]
+    assert [tables[t].ar_s for t in sorted(tables)] == pytest.approx([1, 2, 4, 8])  # linear in the length
+    assert tables[1024].key["interpolated"] == [256, 2048]
+    profile_window_rates(tiny["target"], tiny["drafter"], slots=2, num_draft=K, lengths=[256, 2048])
+    assert len(measured) == 2  # cached on disk
+
+
+@pytest.mark.slow
+def test_each_window_schedules_with_its_own_table(tiny, tmp_path, monkeypatch):
+    """A request whose context crosses from the 256-position window into the 512 cache: the
+    loop schedules each window with that window's table (here: no draft pays below 512,
+    every draft pays from it), and the output stays autoregressive greedy decoding."""
+    import dspark_jax.decoding.generate as gen
+
+    measured = window_tables(monkeypatch, tmp_path)
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(3, tiny["target"].cfg.vocab_size, 230).tolist()
+    sp = dataclasses.replace(greedy(), max_new_tokens=48)
+    ar = ds.generate(tiny["target"], [prompt], sampling=sp).token_ids
+    oracle = OracleDrafter.from_lists(ar, [len(prompt)], tiny["target"].cfg.vocab_size, block_size=K)
+    calls, loop = [], gen.decode_loop
+
+    def spy(*args, settings):
+        paid0, steps0 = int(args[4].bucket_sum), int(args[4].steps)  # before the loop donates the state
+        st = loop(*args, settings=settings)
+        calls.append((settings.kv_window, float(args[7].skip_rate), int(st.bucket_sum) - paid0,
+                      int(st.steps) - steps0))
+        return st
+
+    monkeypatch.setattr(gen, "decode_loop", spy)
+    out = ds.generate(tiny["target"], [prompt], drafter=oracle, sampling=sp, num_draft=K, policy="dspark",
+                      scheduler="sync")
+    assert out.token_ids == ar
+    assert sorted(measured) == [256, 512] and sorted(out.stats["window_step_rates"]) == [256, 512]
+    assert [c[0] for c in calls] == [256, None]  # one call per window
+    (_, skip_256, paid_256, steps_256), (_, skip_512, paid_512, steps_512) = calls
+    assert skip_256 == pytest.approx(1.0) and skip_512 == pytest.approx(0.5)  # 1 / ar_s of each length
+    assert paid_256 == steps_256 > 0  # the anchor only: bucket 1 every step
+    assert paid_512 > steps_512 > 0  # drafts verified

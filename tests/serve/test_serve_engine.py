@@ -15,7 +15,7 @@ Runtime: ~40 s on a shared 2-core CPU (admission + decode-loop compiles).
 import jax
 import numpy as np
 import pytest
-from spec_helpers import sharpen
+from spec_helpers import sharpen, window_tables
 
 import dspark_jax as ds
 from dspark_jax.decoding import compile_stats
@@ -146,7 +146,7 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
     used, loop = [], engine_mod.decode_loop
 
     def spy(*args, **kw):
-        used.append(args[7] is eng.greedy_sched)
+        used.append(any(args[7] is a for a in eng.greedy_sched.arrays.values()))
         return loop(*args, **kw)
 
     monkeypatch.setattr(engine_mod, "decode_loop", spy)
@@ -167,6 +167,31 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
     eng.submit(p[2], greedy())
     eng.run()
     assert used and all(used)
+
+
+@pytest.mark.slow
+def test_each_cache_length_schedules_with_its_own_table(tiny, tmp_path, monkeypatch):
+    """Profiled by the engine per cache length it decodes at (the 256 window and the 512
+    cache): each step schedules with the table of the cache's current length."""
+    import serve.engine as engine_mod
+    measured = window_tables(monkeypatch, tmp_path)
+    eng = Engine(tiny["target"], tiny["drafter"], slots=2, max_len=512, max_new_tokens=48, prefill_tokens=256,
+                 num_draft=3, cycles_per_step=4, policy="dspark")
+    assert sorted(measured) == [256, 256, 512, 512]  # greedy and sampled cycles, at both ends
+    seen, loop = [], engine_mod.decode_loop
+
+    def spy(*args, **kw):
+        seen.append((args[4].cache.length, float(args[7].skip_rate)))
+        return loop(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "decode_loop", spy)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, tiny["target"].cfg.vocab_size, n).tolist() for n in (230, 120)]
+    reqs = [eng.submit(p, greedy(48)) for p in prompts]
+    eng.run()
+    assert {n for n, _ in seen} == {256, 512}
+    assert all(skip == pytest.approx(256 / n) for n, skip in seen)  # 1 / ar_s of that length's table
+    assert [r.tokens for r in reqs] == ds.generate(tiny["target"], prompts, sampling=greedy(48)).token_ids
 
 
 def test_warm_up_runs_every_verification_bucket(tiny):
