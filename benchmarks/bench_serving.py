@@ -14,7 +14,8 @@ template, greedy, exactly `--max-tokens` new tokens each) with C requests kept i
 
 Both warm up the same way (the server's `warmup`) before timing. Reported per cell: output
 throughput (tokens/s over the wall time of the whole run), TTFT, TPOT and ITL (mean / p50 /
-p99), τ (tokens per target step), HTTP ÷ library throughput (the HTTP overhead), and the
+p99), τ (tokens per target step), the scheduler's choices (library: the share of target steps
+that drafted, packed tokens paid for and tokens emitted per target step), HTTP ÷ library throughput (the HTTP overhead), and the
 XLA compiles that happened while timing (0 when the warm-up covered everything; the server's
 default warm-up compiles the first attention window only, so keep prompts + new tokens under
 256 tokens — `--max-prompt-chars 600` — or expect compile stalls in the first run).
@@ -48,7 +49,7 @@ CONFIGS = {  # name → serve.server --drafter
 
 
 HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99", "TPOT ms mean/p50/p99",
-           "ITL ms mean/p50/p99", "τ", "failed", "compiles"]
+           "ITL ms mean/p50/p99", "τ", "drafted steps", "paid / step", "tokens / step", "failed", "compiles"]
 
 
 def server_args(drafter: str, slots: int, max_tokens: int, max_len: int, warmup: str = "short",
@@ -79,6 +80,7 @@ def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
         last[req.id] = now
 
     engine.finished.clear()
+    k0 = engine.counters()
     pending = list(prompts)
     t0 = time.perf_counter()
     while pending or not engine.idle:
@@ -100,6 +102,17 @@ def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
     rep = report(ns, "library", results, duration, {}, {})
     rep["tau"] = float(sum(taus) / len(taus)) if taus and engine.drafter is not None else None
     rep["server_compiles"] = compile_stats.snapshot()[0] - c0  # compiles while timing (0 when warm)
+    k1 = engine.counters()
+    steps = max(k1.get("steps", 0) - k0.get("steps", 0), 1)
+    rep["steps"] = steps
+    # Tokens the decode loop emitted per target step (each request's first token comes from its
+    # prefill): what a step yields across the slots, the number a step's cost must be weighed by.
+    rep["tokens_per_step"] = (rep["total_output_tokens"] - rep["completed"]) / steps
+    if engine.drafter is not None and "drafted_steps" in k1:
+        # What the scheduler chose while timing: the share of steps that drafted, and packed
+        # tokens paid for per step (C = no drafts verified; C·(γ+1) = every draft).
+        rep["drafted_steps"] = (k1["drafted_steps"] - k0["drafted_steps"]) / steps
+        rep["bucket_per_step"] = (k1["bucket_tokens"] - k0["bucket_tokens"]) / steps
     engine.finished.clear()
     return rep
 
@@ -253,10 +266,13 @@ def main(argv=None):
                 last = reps[-1]
                 tau = "–" if last["tau"] is None else " / ".join(f"{x['tau']:.2f}" for x in reps)
                 fails = sum(x["failed"] for x in reps)
+                drafted = " / ".join(f"{x['drafted_steps']:.2f}" for x in reps) if "drafted_steps" in last else "–"
+                paid = " / ".join(f"{x['bucket_per_step']:.1f}" for x in reps) if "bucket_per_step" in last else "–"
+                yielded = " / ".join(f"{x['tokens_per_step']:.2f}" for x in reps) if "tokens_per_step" in last else "–"
                 rows.append([C, name, mode, f"{median(tput):.1f}" + (f" ({min(tput):.1f}–{max(tput):.1f})"
                                                                      if len(tput) > 1 else ""),
                              ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),
-                             tau, fails, " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
+                             tau, drafted, paid, yielded, fails, " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
             print(table(HEADERS, rows[-2:]), flush=True)
     print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
           f"ShareGPT prompts, C slots, C in flight\n")

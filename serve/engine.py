@@ -296,6 +296,14 @@ class Engine:
             self._collect()
         self.busy_s += time.perf_counter() - t0
 
+    def counters(self) -> dict[str, int]:
+        """The decode loop's running totals since the engine started: target steps, the steps
+        that ran the drafter, and packed tokens paid for (the buckets) and used (S + Σℓ);
+        differences of two readings describe the steps between them."""
+        names = {"steps": "steps", "drafted_steps": "drafted_steps", "bucket_tokens": "bucket_sum",
+                 "budget_tokens": "budget_sum"}
+        return {k: int(getattr(self.st, f)) for k, f in names.items() if getattr(self.st, f) is not None}
+
     def stats(self) -> dict[str, Any]:
         done = [r for r in self.finished if r.status == "finished"]
         st = {"requests_finished": len(done), "requests_cancelled": len(self.finished) - len(done),

@@ -191,6 +191,9 @@ def test_each_cache_length_schedules_with_its_own_table(tiny, tmp_path, monkeypa
     eng.run()
     assert {n for n, _ in seen} == {256, 512}
     assert all(skip == pytest.approx(256 / n) for n, skip in seen)  # 1 / ar_s of that length's table
+    k = eng.counters()  # the loop's totals: every step paid for at least what it used
+    assert k["steps"] > 0 and 0 <= k["drafted_steps"] <= k["steps"]
+    assert 1 <= k["budget_tokens"] / k["steps"] <= k["bucket_tokens"] / k["steps"] <= 2 * 4
     assert [r.tokens for r in reqs] == ds.generate(tiny["target"], prompts, sampling=greedy(48)).token_ids
 
 
