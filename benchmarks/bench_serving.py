@@ -15,7 +15,8 @@ template, greedy, exactly `--max-tokens` new tokens each) with C requests kept i
 Both warm up the same way (the server's `warmup`) before timing. Reported per cell: output
 throughput (tokens/s over the wall time of the whole run), TTFT, TPOT and ITL (mean / p50 /
 p99), τ (tokens per target step), the scheduler's choices (library: the share of target steps
-that drafted, packed tokens paid for and tokens emitted per target step), HTTP ÷ library throughput (the HTTP overhead), and the
+that drafted, packed tokens paid for and tokens emitted per target step), HTTP ÷ library
+throughput (the HTTP overhead), and the
 XLA compiles that happened while timing (0 when the warm-up covered everything; the server's
 default warm-up compiles the first attention window only, so keep prompts + new tokens under
 256 tokens — `--max-prompt-chars 600` — or expect compile stalls in the first run).
@@ -272,7 +273,8 @@ def main(argv=None):
                 rows.append([C, name, mode, f"{median(tput):.1f}" + (f" ({min(tput):.1f}–{max(tput):.1f})"
                                                                      if len(tput) > 1 else ""),
                              ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),
-                             tau, drafted, paid, yielded, fails, " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
+                             tau, drafted, paid, yielded, fails,
+                             " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
             print(table(HEADERS, rows[-2:]), flush=True)
     print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
           f"ShareGPT prompts, C slots, C in flight\n")
