@@ -161,6 +161,11 @@ def run_http(port: int, prompts, max_tokens: int, concurrency: int) -> dict:
     return asyncio.run(run(bargs, prompts))
 
 
+def rounds(reps: list[dict], key: str, fmt: str = ".2f") -> str:
+    """One value per round ("a / b"), or "–" where the cell's last round has none."""
+    return "–" if reps[-1].get(key) is None else " / ".join(f"{x[key]:{fmt}}" for x in reps)
+
+
 def fmt_lat(s: dict) -> str:
     return f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p99']:.0f}"
 
@@ -265,11 +270,9 @@ def main(argv=None):
                 if mode == "http" and cell["library"]:
                     ratio = f"{median(tput) / median([x['output_throughput'] for x in cell['library']]):.2f}"
                 last = reps[-1]
-                tau = "–" if last["tau"] is None else " / ".join(f"{x['tau']:.2f}" for x in reps)
                 fails = sum(x["failed"] for x in reps)
-                drafted = " / ".join(f"{x['drafted_steps']:.2f}" for x in reps) if "drafted_steps" in last else "–"
-                paid = " / ".join(f"{x['bucket_per_step']:.1f}" for x in reps) if "bucket_per_step" in last else "–"
-                yielded = " / ".join(f"{x['tokens_per_step']:.2f}" for x in reps) if "tokens_per_step" in last else "–"
+                tau, drafted = rounds(reps, "tau"), rounds(reps, "drafted_steps")
+                paid, yielded = rounds(reps, "bucket_per_step", ".1f"), rounds(reps, "tokens_per_step")
                 rows.append([C, name, mode, f"{median(tput):.1f}" + (f" ({min(tput):.1f}–{max(tput):.1f})"
                                                                      if len(tput) > 1 else ""),
                              ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),

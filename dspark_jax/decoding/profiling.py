@@ -293,8 +293,9 @@ def profile_window_rates(target, drafter, *, slots: int, num_draft: int, lengths
     runs in, and its whole cache): measured at the shortest and the longest
     (`profile_step_rates`, cached on disk), linear in between. A step's attention reads its
     window, so the cost of verification against a step without drafts — where drafting
-    pays — moves with the window: one table at the longest window would make the scheduler
-    draft too eagerly at the short ones (BENCHMARKS.md, "Stop 38")."""
+    pays — moves with the window: one table at the longest would misprice the short ones
+    (SmolLM2, 8 slots: a 2,048 table says drafting never pays, the 256 one that it pays from
+    12 accepted drafts of 19; BENCHMARKS.md, "Stop 38")."""
     lengths = sorted(set(int(t) for t in lengths))
     if not lengths:
         raise ValueError("need at least one cache length")
