@@ -1,15 +1,18 @@
 """Prompt lookup's survival by match length, replayed on greedy answers: the data behind
 `NgramDrafter`'s confidence prior (`dspark_jax/models/ngram.py: DEFAULT_CONFIDENCE`).
 
-Each record is a prompt and the target's greedy answer (ArrayRecord shards as the training
-program writes them, e.g. `runs/smollm2/data/heldout` from `train.main --stage data` with
-`regen_temperature=0`). Greedy decoding with prompt lookup is replayed exactly: at every
-cycle the longest suffix match (the anchor included) proposes up to γ tokens, the longest
-prefix equal to the greedy answer is accepted, and accepted + 1 tokens are emitted. Printed:
+Each record is a prompt and the target's greedy answer: ArrayRecord shards as the training
+program writes them (e.g. `runs/smollm2/data/heldout` from `train.main --stage data` with
+`regen_temperature=0`), or an archive of them (`.npz`, `records.pack`: the committed
+`train/data/smollm2-135m-greedy*.npz`; `--split` picks one of its splits). Greedy decoding
+with prompt lookup is replayed exactly: at every cycle the longest suffix match (the anchor
+included) proposes up to γ tokens, the longest prefix equal to the greedy answer is accepted,
+and accepted + 1 tokens are emitted. Printed:
 per match length n, the cycles, P(draft k survives | drafts < k survived) for k = 1..γ
-(pooled over k, the number the prior uses, and k = 1), and τ.
+(pooled over k, the number the prior uses, and each k), and τ.
 
     python -m benchmarks.bench_ngram_prior --data runs/smollm2/data/heldout [--block-size 7]
+    python -m benchmarks.bench_ngram_prior --data train/data/smollm2-135m-greedy-5.npz [--limit 1000]
 """
 
 from __future__ import annotations
@@ -33,21 +36,42 @@ def lookup(ctx: list[int], G: int, max_n: int, min_n: int):
     return [], 0
 
 
+def answers(path: str, split: str | None = None):
+    """(prompt, greedy answer) token lists from ArrayRecord shards or a `records.pack` archive."""
+    if path.endswith(".npz"):
+        z = np.load(path)
+        lens, plen = z["lengths"], z["prompt_lengths"]
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        splits = np.repeat(z["splits"], z["shard_sizes"])
+        if split is not None and split not in set(splits.tolist()):
+            raise ValueError(f"{path} has splits {sorted(set(splits.tolist()))}, not {split!r}")
+        for i in range(lens.size):
+            if split is None or splits[i] == split:
+                t = z["tokens"][starts[i]:starts[i + 1]].astype(np.int64).tolist()
+                yield t[: plen[i]], t[plen[i]:]
+        return
+    for tokens, mask in records.read_all(path):
+        tokens, mask = np.asarray(tokens).tolist(), np.asarray(mask)
+        start = int(np.argmax(mask > 0)) if mask.any() else len(tokens)
+        yield tokens[:start], tokens[start:]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="a directory of ArrayRecord shards (prompt + greedy answer)")
     ap.add_argument("--block-size", type=int, default=7)
     ap.add_argument("--max-ngram", type=int, default=4)
+    ap.add_argument("--split", default=None, help="an .npz archive's split (default: all)")
+    ap.add_argument("--limit", type=int, default=0, help="the first N records only (0: all)")
     args = ap.parse_args(argv)
     G, J = args.block_size, args.max_ngram
     reached = np.zeros((J + 1, G))
     survived = np.zeros((J + 1, G))
     cycles = np.zeros(J + 1)
     emitted = np.zeros(J + 1)
-    for tokens, mask in records.read_all(args.data):
-        tokens, mask = np.asarray(tokens).tolist(), np.asarray(mask)
-        start = int(np.argmax(mask > 0)) if mask.any() else len(tokens)
-        prompt, ans = tokens[:start], tokens[start:]
+    for i, (prompt, ans) in enumerate(answers(args.data, args.split)):
+        if args.limit and i >= args.limit:
+            break
         m = 1
         while m < len(ans):
             cont, n = lookup(prompt + ans[:m], G, J, 1)
@@ -63,9 +87,9 @@ def main(argv=None):
     rows = []
     for n in range(J + 1):
         pooled = survived[n].sum() / max(reached[n].sum(), 1)
-        rows.append([n, int(cycles[n]), f"{pooled:.2f}", f"{survived[n, 0] / max(reached[n, 0], 1):.2f}",
-                     f"{emitted[n] / max(cycles[n], 1):.2f}"])
-    print(table(["match length", "cycles", "P(survive), pooled", "P(survive), k = 1", "τ"], rows))
+        per_k = " / ".join(f"{survived[n, k] / reached[n, k]:.2f}" if reached[n, k] else "–" for k in range(G))
+        rows.append([n, int(cycles[n]), f"{pooled:.2f}", per_k, f"{emitted[n] / max(cycles[n], 1):.2f}"])
+    print(table(["match length", "cycles", "P(survive), pooled", "P(survive) at k = 1 .. γ", "τ"], rows))
     print(f"\noverall τ {emitted.sum() / max(cycles.sum(), 1):.2f} over {int(cycles.sum())} cycles")
 
 

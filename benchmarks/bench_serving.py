@@ -114,6 +114,11 @@ def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
         # tokens paid for per step (C = no drafts verified; C·(γ+1) = every draft).
         rep["drafted_steps"] = (k1["drafted_steps"] - k0["drafted_steps"]) / steps
         rep["bucket_per_step"] = (k1["bucket_tokens"] - k0["bucket_tokens"]) / steps
+    if "accepted" in k1:
+        # Drafts accepted on the steps that verified any, against the survival the scheduler
+        # expected of them, per kind of row (the trained drafter's, prompt lookup's).
+        for i, kind in enumerate(("drafter", "lookup")):
+            rep[f"calibration_{kind}"] = {k: k1[k][i] - k0[k][i] for k in ("accepted", "budget_exp", "conf_exp")}
     engine.finished.clear()
     return rep
 
@@ -279,6 +284,12 @@ def main(argv=None):
                              tau, drafted, paid, yielded, fails,
                              " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
             print(table(HEADERS, rows[-2:]), flush=True)
+            for kind in ("drafter", "lookup"):
+                cal = [x[f"calibration_{kind}"] for x in cell["library"] if f"calibration_{kind}" in x]
+                if cal and sum(c["budget_exp"] for c in cal) > 0:
+                    print(f"# {name}@{C} {kind} rows: drafts accepted / expected by the budget / by the step's "
+                          "confidences: " + ", ".join(f"{c['accepted']:.0f} / {c['budget_exp']:.1f} / "
+                                                       f"{c['conf_exp']:.1f}" for c in cal), flush=True)
     print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
           f"ShareGPT prompts, C slots, C in flight\n")
     print(table(HEADERS, rows))

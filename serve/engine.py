@@ -296,13 +296,21 @@ class Engine:
             self._collect()
         self.busy_s += time.perf_counter() - t0
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, Any]:
         """The decode loop's running totals since the engine started: target steps, the steps
         that ran the drafter, and packed tokens paid for (the buckets) and used (S + Σℓ);
-        differences of two readings describe the steps between them."""
+        differences of two readings describe the steps between them. Scheduled policies add
+        what the verified drafts delivered against what was expected of them, as [trained
+        drafter's rows, foreseen rows (prompt lookup)]: `accepted` drafts, `budget_exp` (the
+        survival the budget chose the bucket by) and `conf_exp` (this step's confidences)."""
         names = {"steps": "steps", "drafted_steps": "drafted_steps", "bucket_tokens": "bucket_sum",
                  "budget_tokens": "budget_sum"}
-        return {k: int(getattr(self.st, f)) for k, f in names.items() if getattr(self.st, f) is not None}
+        out = {k: int(getattr(self.st, f)) for k, f in names.items() if getattr(self.st, f) is not None}
+        for f in ("accepted_sum", "budget_exp_sum", "conf_exp_sum"):
+            v = getattr(self.st, f)
+            if v is not None:
+                out[f.removesuffix("_sum")] = [float(x) for x in np.asarray(v)]
+        return out
 
     def stats(self) -> dict[str, Any]:
         done = [r for r in self.finished if r.status == "finished"]

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.decoding.sampling import SamplingArrays
-from dspark_jax.decoding.scheduler import async_budget, bucket_index, schedule_lengths
+from dspark_jax.decoding.scheduler import async_budget, bucket_index, schedule_lengths, survival
 from dspark_jax.decoding.verification import verify
 from dspark_jax.models.transformer import KVCache, StepKV, packed_layout
 
@@ -133,6 +133,14 @@ class GenState:
     drafted_steps: Any = None  # [] of which drafted
     budget_sum: Any = None  # [] Σ packed tokens used (N = S + Σℓ)
     bucket_sum: Any = None  # [] Σ packed tokens paid for (the bucket of each step)
+    # What the scheduler expected of the drafts it verified against what they delivered, per
+    # kind of row ([0] the trained drafter's, [1] foreseen rows, e.g. prompt lookup's):
+    # accepted drafts, the survival the budget predicted for them (async: the online-calibrated
+    # confidences it chose the bucket by; other policies: this step's confidences), and the
+    # survival this step's own calibrated confidences gave them.
+    accepted_sum: Any = None  # [2]
+    budget_exp_sum: Any = None  # [2]
+    conf_exp_sum: Any = None  # [2]
 
     @classmethod
     def create(cls, target_cfg, drafter, dparams, *, slots: int, cache_len: int, out_len: int, num_draft: int,
@@ -223,7 +231,9 @@ def with_sched_state(st: GenState, num_draft: int, prior_SK=None) -> GenState:
     return st.replace(verified=jnp.zeros((S,), jnp.int32), prev_conf=prev_conf,
                       acc_w=jnp.zeros((S, K), jnp.float32), reach_w=jnp.zeros((S, K), jnp.float32),
                       f_acc_w=jnp.zeros((S,), jnp.float32), f_exp_w=jnp.zeros((S,), jnp.float32),
-                      steps=z(), drafted_steps=z(), budget_sum=z(), bucket_sum=z())
+                      steps=z(), drafted_steps=z(), budget_sum=z(), bucket_sum=z(),
+                      accepted_sum=jnp.zeros((2,), jnp.float32), budget_exp_sum=jnp.zeros((2,), jnp.float32),
+                      conf_exp_sum=jnp.zeros((2,), jnp.float32))
 
 
 def window_fits(st: GenState, settings: LoopSettings):
@@ -403,6 +413,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     W = settings.kv_window
     drafted = jnp.bool_(K > 0)
     foreseen = jnp.zeros((S,), bool)
+    pred = rank = None  # the budget's and this step's confidences of the scheduled policies
     if K == 0 or policy == "fixed":
         d_tok, d_logits, conf = draft() if K > 0 else no_draft()
         nv = caps
@@ -449,11 +460,11 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         else:
             d_tok, d_logits, conf = draft()
             u = jnp.int32(0)
+        rank = conf
         if callable(policy):  # a caller's scheduler (e.g. a test's negative control)
             nv = jnp.clip(policy(conf, active, caps, sched.rates, buckets), 0, caps).astype(jnp.int32)
             u = bucket_index(jnp.sum(active) + jnp.sum(nv), buckets)
         else:
-            rank = conf
             if policy == "async" and hasattr(drafter, "foresight"):
                 # The bucket's drafts go to the best candidates by the same corrected confidences
                 # (the scale comes from earlier cycles: the decision still never reads this one's).
@@ -500,6 +511,19 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     f_acc = jnp.sum(accepted_now, 1).astype(jnp.float32)
     f_exp = jnp.sum(jnp.where(reached_now, conf, 0.0), 1)
     lam_s = jnp.where(active, settings.calib_decay, 1.0)
+    if rank is not None:
+        verified_now = act & (j < nv[:, None]) & drafted
+
+        def by_kind(x_SK):  # [2]: the trained drafter's rows, foreseen rows
+            x_S = jnp.sum(jnp.where(verified_now, x_SK, 0.0), 1)
+            return jnp.stack([jnp.sum(jnp.where(foreseen, 0.0, x_S)), jnp.sum(jnp.where(foreseen, x_S, 0.0))])
+
+        a_rank = survival(rank)
+        tally = {"accepted_sum": st.accepted_sum + by_kind(accepted_now.astype(jnp.float32)),
+                 "budget_exp_sum": st.budget_exp_sum + by_kind(a_rank if pred is None else survival(pred)),
+                 "conf_exp_sum": st.conf_exp_sum + by_kind(a_rank)}
+    else:
+        tally = {}
     return st.replace(
         cache=cache,
         dcache=dcache,
@@ -522,6 +546,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         drafted_steps=st.drafted_steps + (any_active & drafted),
         budget_sum=st.budget_sum + jnp.sum(jnp.where(active, 1 + nv, 0)),
         bucket_sum=st.bucket_sum + jnp.where(any_active, jnp.asarray(sizes, jnp.int32)[idx], 0),
+        **tally,
     )
 
 

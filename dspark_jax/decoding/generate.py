@@ -434,6 +434,11 @@ def _report(target: Target, drafter, plan: _Plan, run: _Run, policy, settings: L
                                               for t in sorted({w or plan.T for w in run.windows} | {plan.T})}
         if settings.policy != "fixed":
             stats["scheduler"] = settings.policy if isinstance(settings.policy, str) else "custom"
+            # The verified drafts' acceptance against the survival the scheduler expected of them
+            # (the budget's online-calibrated confidences; this step's own): a calibration check.
+            tally = {k: np.asarray(getattr(st, f"{k}_sum")) for k in ("accepted", "budget_exp", "conf_exp")}
+            stats["calibration"] = {kind: {k: float(v[i]) for k, v in tally.items()}
+                                    for i, kind in enumerate(("drafter", "foreseen"))}
     return GenerationOutput(texts, token_ids, stats)
 
 

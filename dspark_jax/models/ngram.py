@@ -11,10 +11,11 @@ DSpark drafter, so it is lossless by the same rules:
 - the draft distribution is the one-hot of the proposed token (the proposal is a
   deterministic function of the context), so rejection sampling accepts it with probability
   p_target(token) and resamples from the residual otherwise — exactly the target;
-- its confidences are a per-position prior indexed by the match length (longer matches
-  continue more often); they follow from the committed context alone, so the async
-  scheduler reads them before drafting (`foresight`) and budgets each cycle by its own
-  match. Positions past what the context can continue get confidence 0 (and token 0).
+- its confidences are a prior indexed by the match length and the draft position (longer
+  matches continue more often, and a draft whose predecessors held holds more often); they
+  follow from the committed context alone, so the async scheduler reads them before
+  drafting (`foresight`) and budgets each cycle by its own match. Positions past what the
+  context can continue get confidence 0 (and token 0).
 
 Shape letters (docs/architecture.md): S slots, T cache length, G block size γ, N packed tokens, V vocab, J the
 positions j = 0 .. max_ngram−1 back from the anchor.
@@ -30,12 +31,21 @@ import jax.numpy as jnp
 
 from dspark_jax.sampling_transform import SamplingArrays
 
-# P(draft k survives | its prefix did), by match length 0 .. 4+ (0 = no match: nothing to
-# draft), pooled over k: greedy lookup replayed on SmolLM2's greedy answers to 32 held-out
-# ShareGPT prompts (`python -m benchmarks.bench_ngram_prior`; BENCHMARKS.md, "Prompt
-# lookup"; lengths 2 and 3 pooled: 213 cycles). The async scheduler budgets each cycle by
-# them (`foresight`: the match is known before drafting).
-DEFAULT_CONFIDENCE = (0.0, 0.37, 0.70, 0.70, 0.95)
+# P(draft k survives | drafts < k did), by match length 0 .. 4+ (rows; 0 = no match: nothing
+# to draft) and draft position k = 1 .. 7 (columns): greedy lookup replayed on SmolLM2's greedy
+# answers to 4,672 training prompts, 366,793 cycles (`python -m benchmarks.bench_ngram_prior
+# --data train/data/smollm2-135m-greedy-5.npz`; BENCHMARKS.md, "Stop 39"). The first draft of a
+# short match is the weak one (2-gram: 0.53, then 0.64 .. 0.86 once it held); a prior pooled
+# over positions (0.37 / 0.70 / 0.70 / 0.95 before) overstated exactly the first draft, which
+# every later one's survival multiplies. The async scheduler budgets each cycle by these
+# (`foresight`: the match is known before drafting).
+DEFAULT_CONFIDENCE = (
+    (0.0,),
+    (0.25, 0.57, 0.65, 0.71, 0.74, 0.77, 0.80),
+    (0.53, 0.64, 0.73, 0.78, 0.81, 0.84, 0.86),
+    (0.68, 0.64, 0.78, 0.70, 0.66, 0.80, 0.86),
+    (0.89, 0.91, 0.92, 0.93, 0.94, 0.94, 0.95),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +54,16 @@ class NgramDrafter:
 
     block_size: γ, tokens proposed per cycle. max_ngram / min_ngram: the longest and shortest
     suffix matched (the longest match wins; among equal lengths, the most recent).
-    confidence: per-position survival prior by match length (index min(n, len − 1)).
+    confidence: the survival prior P(draft k survives | drafts < k did) by match length n
+      (row min(n, rows − 1)); a row is one value for every position, or one per position
+      (a row shorter than γ repeats its last value).
     """
 
     block_size: int = 7
     max_ngram: int = 4
     min_ngram: int = 1
     vocab_size: int = 0  # filled from the target by `bind` (one-hot draft distributions)
-    confidence: tuple[float, ...] = DEFAULT_CONFIDENCE
+    confidence: tuple = DEFAULT_CONFIDENCE
     feature_layers: tuple[int, ...] = ()  # reads no target features
     reads_tokens: bool = True  # the engine passes the committed tokens to `append`
 
@@ -60,8 +72,10 @@ class NgramDrafter:
             raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 ≤ min_ngram ≤ max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if not self.confidence or any(not 0.0 <= c <= 1.0 for c in self.confidence):
-            raise ValueError(f"confidence values must lie in [0, 1], got {self.confidence}")
+        rows = [r if isinstance(r, (tuple, list)) else (r,) for r in self.confidence]
+        if not rows or any(not r or any(not 0.0 <= float(c) <= 1.0 for c in r) for r in rows):
+            raise ValueError(f"confidence must be rows of values in [0, 1] (one row per match length), "
+                             f"got {self.confidence}")
 
     def bind(self, target) -> NgramDrafter:
         V = target.cfg.vocab_size
@@ -137,11 +151,18 @@ class NgramDrafter:
     def block_confidence(self, found):
         """[S, G] prior confidences of a `lookup` result, by match length."""
         _, n, known = found
-        table = jnp.asarray(self.confidence, jnp.float32)
-        c = table[jnp.minimum(n, table.shape[0] - 1)]
+        table = jnp.asarray(self.prior_table(), jnp.float32)  # [rows, G]
+        c = table[jnp.minimum(n, table.shape[0] - 1)]  # [S, G]
         # Survival needs the whole prefix: after the first unknown position, nothing survives.
         known = jnp.cumprod(known.astype(jnp.int32), 1) > 0
-        return jnp.where(known, c[:, None], 0.0)
+        return jnp.where(known, c, 0.0)
+
+    def prior_table(self) -> list[list[float]]:
+        """`confidence` as [match lengths, γ]: a scalar row holds at every position, a short
+        row repeats its last value."""
+        G = self.block_size
+        rows = [list(r) if isinstance(r, (tuple, list)) else [r] for r in self.confidence]
+        return [[float(r[min(k, len(r) - 1)]) for k in range(G)] for r in rows]
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: a static jit argument

@@ -179,10 +179,23 @@ def test_async_calibrates_a_drafter_that_overclaims(tiny):
     # Two failed tries (11 cycles): after them the calibrated first-position confidence is
     # 0.3 / 2.5 = 0.12, and 8 anchors alone at 10 steps/s beat (8 + 8·0.24)·7.4.
     assert out.stats["drafted_steps"] == 2 / 11
+    # The calibration tally says so: nothing accepted of what the steps' confidences expected
+    # (survival 0.6, 0.36, 0.216 for every slot's 3 drafts, twice) nor of the budget's (its
+    # first try starts from confidence 1, a drafter without a measured prior: every draft).
+    cal = out.stats["calibration"]
+    assert cal["drafter"]["accepted"] == 0
+    assert cal["drafter"]["conf_exp"] == pytest.approx(2 * S * (0.6 + 0.36 + 0.216))
+    assert cal["drafter"]["budget_exp"] > S * K
+    assert cal["foreseen"] == {"accepted": 0.0, "budget_exp": 0.0, "conf_exp": 0.0}  # no foresight
     right = Overclaiming.from_lists(tiny["ar"], PROMPT_LENS, V, block_size=K)
     out = ds.generate(t, tiny["prompts"], drafter=right, sampling=greedy(), num_draft=K, policy="dspark",
                       step_rates=table)
     assert out.token_ids == tiny["ar"] and out.stats["drafted_steps"] == 1.0 and out.stats["tau"] > 2
+    # Every verified draft is accepted; the step claims 60% a position, and the budget, which
+    # learns each position's acceptance online, expects more than that and never more than all.
+    cal = out.stats["calibration"]["drafter"]
+    assert cal["accepted"] == sum(out.stats["verified_per_request"]) > 0
+    assert cal["conf_exp"] < cal["budget_exp"] <= cal["accepted"]
 
 
 def test_errors(tiny):

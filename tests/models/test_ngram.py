@@ -60,6 +60,25 @@ def test_bad_settings_are_refused():
         NgramDrafter(block_size=0)
     with pytest.raises(ValueError, match="confidence"):
         NgramDrafter(confidence=(0.0, 1.5))
+    with pytest.raises(ValueError, match="confidence"):
+        NgramDrafter(confidence=((0.0,), (0.5, 1.2)))
+    with pytest.raises(ValueError, match="confidence"):
+        NgramDrafter(confidence=((0.0,), ()))
+
+
+def test_the_prior_is_per_match_length_and_position():
+    """A row per match length: one value for every position, or one per position (a short row
+    repeats its last value); a block's confidences are its match length's row, cut where the
+    context cannot continue."""
+    ng = NgramDrafter(block_size=4, confidence=((0.0,), (0.2, 0.5), 0.9))
+    assert ng.prior_table() == [[0.0] * 4, [0.2, 0.5, 0.5, 0.5], [0.9] * 4]
+    n = jnp.asarray([0, 1, 2, 7], jnp.int32)  # 7: past the last row, which it takes
+    known = jnp.asarray([[False] * 4, [True] * 4, [True, True, False, True], [True] * 4])
+    conf = np.asarray(ng.block_confidence((None, n, known)))
+    np.testing.assert_allclose(conf, [[0, 0, 0, 0], [0.2, 0.5, 0.5, 0.5], [0.9, 0.9, 0, 0], [0.9] * 4])
+    # The shipped prior: the first draft of a short match is the weak one.
+    table = NgramDrafter().prior_table()
+    assert len(table) == 5 and all(len(r) == 7 for r in table) and table[2][0] < table[2][1] < table[2][6]
 
 
 @pytest.fixture(scope="module")

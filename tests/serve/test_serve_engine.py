@@ -187,6 +187,7 @@ def test_each_cache_length_schedules_with_its_own_table(tiny, tmp_path, monkeypa
     monkeypatch.setattr(engine_mod, "decode_loop", spy)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, tiny["target"].cfg.vocab_size, n).tolist() for n in (230, 120)]
+    k0 = eng.counters()
     reqs = [eng.submit(p, greedy(48)) for p in prompts]
     eng.run()
     assert {n for n, _ in seen} == {256, 512}
@@ -194,6 +195,12 @@ def test_each_cache_length_schedules_with_its_own_table(tiny, tmp_path, monkeypa
     k = eng.counters()  # the loop's totals: every step paid for at least what it used
     assert k["steps"] > 0 and 0 <= k["drafted_steps"] <= k["steps"]
     assert 1 <= k["budget_tokens"] / k["steps"] <= k["bucket_tokens"] / k["steps"] <= 2 * 4
+    # The drafts accepted, as the requests' own records count them (Σ (τ − 1) · cycles), against
+    # the survival expected of them; a drafter without foresight has no foreseen rows.
+    accepted = sum(round((r.stats["tau"] - 1) * r.stats["cycles"]) for r in reqs)
+    assert k["accepted"][0] - k0["accepted"][0] == accepted
+    assert k["budget_exp"][0] > k0["budget_exp"][0] and k["conf_exp"][0] > k0["conf_exp"][0]
+    assert k["accepted"][1] == k["budget_exp"][1] == k["conf_exp"][1] == 0
     assert [r.tokens for r in reqs] == ds.generate(tiny["target"], prompts, sampling=greedy(48)).token_ids
 
 
