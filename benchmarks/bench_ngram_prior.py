@@ -39,16 +39,12 @@ def lookup(ctx: list[int], G: int, max_n: int, min_n: int):
 def answers(path: str, split: str | None = None):
     """(prompt, greedy answer) token lists from ArrayRecord shards or a `records.pack` archive."""
     if path.endswith(".npz"):
-        z = np.load(path)
-        lens, plen = z["lengths"], z["prompt_lengths"]
-        starts = np.concatenate([[0], np.cumsum(lens)])
-        splits = np.repeat(z["splits"], z["shard_sizes"])
-        if split is not None and split not in set(splits.tolist()):
-            raise ValueError(f"{path} has splits {sorted(set(splits.tolist()))}, not {split!r}")
-        for i in range(lens.size):
-            if split is None or splits[i] == split:
-                t = z["tokens"][starts[i]:starts[i + 1]].astype(np.int64).tolist()
-                yield t[: plen[i]], t[plen[i]:]
+        seqs = list(records.read_archive(path))
+        if split is not None and split not in {sp for sp, _, _ in seqs}:
+            raise ValueError(f"{path} has splits {sorted({sp for sp, _, _ in seqs})}, not {split!r}")
+        for sp, prompt, ans in seqs:
+            if split is None or sp == split:
+                yield prompt.tolist(), ans.tolist()
         return
     for tokens, mask in records.read_all(path):
         tokens, mask = np.asarray(tokens).tolist(), np.asarray(mask)

@@ -114,16 +114,31 @@ def pack(directories: dict[str, str], path: str, vocab_size: int = 0) -> dict:
     return {"sequences": len(lens), "tokens": int(flat.size), "shards": len(shard_names)}
 
 
+def _load_archive(path: str):
+    """(archive, tokens, sequence starts [n + 1], prompt lengths [n]) of a `pack` archive."""
+    z = np.load(path)
+    tokens, lens, plen = z["tokens"].astype(np.int32), z["lengths"], z["prompt_lengths"]
+    if int(lens.sum()) != tokens.size or int(z["shard_sizes"].sum()) != lens.size:
+        raise ValueError(f"{path} is inconsistent: its lengths do not add up to its tokens and shards")
+    return z, tokens, np.concatenate([[0], np.cumsum(lens)]), plen
+
+
+def read_archive(path: str):
+    """(split, prompt tokens, response tokens) of every sequence a `pack` archive holds, in order."""
+    z, tokens, starts, plen = _load_archive(path)
+    splits = np.repeat(z["splits"], z["shard_sizes"])
+    for i in range(plen.size):
+        t = tokens[starts[i]:starts[i + 1]]
+        yield str(splits[i]), t[: plen[i]], t[plen[i]:]
+
+
 def unpack(path: str, directories: dict[str, str], prefix: str = "") -> dict:
     """Recreates the shards `pack` stored, into `{split: directory}`; existing shards are kept
     (so unpacking into a workdir that holds some of them resumes). `prefix` is put before
     every shard name: archives packed from different workdirs share names
     (`shard-00000.array_record`), and a second one unpacked without it would be skipped."""
-    z = np.load(path)
-    tokens, lens, plen = z["tokens"].astype(np.int32), z["lengths"], z["prompt_lengths"]
-    if int(lens.sum()) != tokens.size or int(z["shard_sizes"].sum()) != lens.size:
-        raise ValueError(f"{path} is inconsistent: its lengths do not add up to its tokens and shards")
-    starts = np.concatenate([[0], np.cumsum(lens)])
+    z, tokens, starts, plen = _load_archive(path)
+    lens = np.diff(starts)
     seq, written = 0, 0
     for name, size, split in zip(z["shard_names"], z["shard_sizes"], z["splits"]):
         split = str(split)
