@@ -152,3 +152,15 @@ def test_one_term_target_computes_at_bf16_precision(tiny_target):
     assert fast.with_weight_dtype("bfloat16", 1) is fast
     # A config that asks for it gets it from Target.random too.
     assert ds.Target.random(f32.cfg.replace(weight_dtype="bfloat16", weight_terms=1)).cfg.weight_terms == 1
+
+
+def test_a_verification_step_computes_the_autoregressive_logits(tiny_target):
+    """`benchmarks.bench_batch_invariance.ar_vs_verify`: one verification step of 4 tokens a
+    slot against the 4 one-token steps it replaces, from the same cache: with three terms the
+    logits agree to float32 summation order, the premise of greedy identity. (Not bitwise:
+    XLA:CPU sums in a shape-dependent order — BENCHMARKS.md, "Stop 40".)"""
+    from benchmarks.bench_batch_invariance import ar_vs_verify
+
+    f32 = tiny_target("llama", seed=5, num_layers=2)
+    eq, rows, worst, agree = ar_vs_verify(f32.with_weight_dtype("bfloat16"), slots=2, block=4, trials=2)
+    assert rows == 16 and 0 <= eq <= rows and agree == 1.0 and worst < ATOL
