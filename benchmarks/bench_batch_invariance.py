@@ -87,6 +87,13 @@ def _chained_scores(q, kt):
     return acc
 
 
+def _blocked_scores(q, kb):
+    """q [S, K, Q, I, E] · keys in position blocks [S, K, nB, E, B] → [S, K, Q, I, nB · B]:
+    every block is the same reduction, whatever the window."""
+    s = jnp.sum(q[:, :, :, :, None, :, None] * kb[:, :, None, None], axis=-2)
+    return s.reshape(*s.shape[:4], -1)
+
+
 def _reductions(K=3, I=3, E=64, D=576):
     """name → (fn → the first query's result, make_args(S, Q, T)): the reductions of a decode step in the forms the
     model uses (XLA's own), then forms that sum in one order by construction or measured so."""
@@ -118,6 +125,10 @@ def _reductions(K=3, I=3, E=64, D=576):
             (lambda a: _tree_sum(a * a)[0], lambda S, Q, T: (x[:S * Q],)),
         "alternative: denominator as a halving tree":
             (lambda a: _tree_sum(a)[0, :, :I], lambda S, Q, T: (p[:S, :, :Q * I, :T],)),
+        "alternative: scores over keys in position blocks [S, K, T/128, E, 128]":
+            (lambda a, b: _blocked_scores(a, b)[0, :, 0, :, :live],
+             lambda S, Q, T: (q[:S, :, :Q * I].reshape(S, K, Q, I, E),
+                              kt[:S, ..., :T].reshape(S, K, E, T // 128, 128).transpose(0, 1, 3, 2, 4))),
         "alternative: scores as E chained multiply-adds, queries [S, K, Q, I, E]":
             (lambda a, b: _chained_scores(a, b)[0, :, 0, :, :live],
              lambda S, Q, T: (q[:S, :, :Q * I].reshape(S, K, Q, I, E), kt[:S, ..., :T])),
