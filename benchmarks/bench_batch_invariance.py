@@ -30,6 +30,7 @@ from flax import nnx
 
 import dspark_jax as ds
 from benchmarks.common import hardware, machine_load, table
+from dspark_jax.models.layers import _cached_scores
 from dspark_jax.models.transformer import KVCache
 
 
@@ -107,15 +108,16 @@ def _reductions(K=3, I=3, E=64, D=576):
     kt[..., live:], p[..., live:], v[:, :, live:] = 0, 0, 0  # a window wider than the context
     w = jnp.asarray(rng.standard_normal((D, D)), jnp.bfloat16)
     x16 = jnp.asarray(x, jnp.bfloat16)
+    q_SQHE = q.reshape(S_, K, Q_, I, E).transpose(0, 2, 1, 3, 4).reshape(S_, Q_, K * I, E)  # the model's layout
     return {
         "RMSNorm: mean of squares over the hidden dim (minor)":
             (lambda a: jnp.mean(a * a, -1)[0], lambda S, Q, T: (x[:S * Q],)),
         "bf16 matmul row (rows = S·Q; one row padded to two)":
             (lambda a: jnp.einsum("mi,oi->mo", a, w, preferred_element_type=jnp.float32)[0],
              lambda S, Q, T: (x16[:max(S * Q, 2)],)),
-        "scores: q·k over the head dim, keys minor":
-            (lambda a, b: jnp.sum(a[..., None] * b[:, :, None], axis=-2)[0, :, :I, :live],
-             lambda S, Q, T: (q[:S, :, :Q * I], kt[:S, ..., :T])),
+        "scores: q·k over the head dim, keys minor (`layers._cached_scores`)":
+            (lambda a, b: _cached_scores(a, b)[1][0, :, :I, :live],
+             lambda S, Q, T: (q_SQHE[:S, :Q], kt[:S, ..., :T])),
         "softmax denominator over positions (minor)":
             (lambda a: jnp.sum(a, -1)[0, :, :I], lambda S, Q, T: (p[:S, :, :Q * I, :T],)),
         "values: p·v over positions, head dim minor":
