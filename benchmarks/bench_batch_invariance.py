@@ -61,7 +61,8 @@ def ar_vs_verify(target, *, slots: int, block: int, trials: int, seed: int = 0):
         ar = []
         for j in range(block):
             logits, cache = step(target.state, cache, jnp.asarray(cont[:, j], jnp.int32),
-                                 jnp.asarray(plen + j, jnp.int32), jnp.ones(slots, jnp.int32), q_max=1, defer=False)
+                                 jnp.asarray(plen + j, jnp.int32), jnp.ones(slots, jnp.int32), q_max=1,
+                                 defer=cfg.fixed_order_decode)  # as the decode loop runs a one-token step
             ar.append(np.asarray(logits))
         ar = np.stack(ar, 1)
         equal += int((ar == verify).all(-1).sum())

@@ -54,10 +54,11 @@ HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p
 
 
 def server_args(drafter: str, slots: int, max_tokens: int, max_len: int, warmup: str = "short",
-                weight_dtype: str | None = None, fine_windows: bool = False) -> list[str]:
+                weight_dtype: str | None = None, fine_windows: bool = False, weight_terms: int = 3) -> list[str]:
     return ["--drafter", drafter, "--slots", str(slots), "--max-len", str(max_len),
             "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64), "--warmup", warmup,
-            *(["--weight-dtype", weight_dtype] if weight_dtype else []), *(["--fine-windows"] if fine_windows else [])]
+            *(["--weight-dtype", weight_dtype, "--weight-terms", str(weight_terms)] if weight_dtype else []),
+            *(["--fine-windows"] if fine_windows else [])]
 
 
 def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
@@ -216,6 +217,7 @@ def main(argv=None):
     ap.add_argument("--weight-dtype", default=None,
                     help="bfloat16: the server's --weight-dtype (bf16 weights under float32 arithmetic; on CPUs with "
                          "AMX / AVX512-BF16 a step of many tokens costs about what one does)")
+    ap.add_argument("--weight-terms", type=int, choices=(1, 3), default=3, help="the server's --weight-terms")
     ap.add_argument("--fine-windows", action="store_true", help="the server's --fine-windows")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
@@ -232,14 +234,14 @@ def main(argv=None):
     concs = [int(c) for c in args.concurrency.split(",")]
     names = args.configs.split(",")
     print(f"# {hardware()}; {machine_load()} at start", flush=True)
-    target = ds.load_target("smollm2-135m", weight_dtype=args.weight_dtype)
+    target = ds.load_target("smollm2-135m", weight_dtype=args.weight_dtype, weight_terms=args.weight_terms)
     results = {}
     rows = []
     for C in concs:
         prompts = heldout_prompts(args.prompts_per_slot * C, args.max_prompt_chars, seed=0)
         for name in names:
             sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup, args.weight_dtype,
-                                args.fine_windows)
+                                args.fine_windows, args.weight_terms)
             engine = make_engine(server_parser().parse_args(sargs), target, load_drafter(CONFIGS[name], target))
             warmup(engine, target, full=args.warmup == "full")
             cell = {"library": [], "http": []}

@@ -125,6 +125,7 @@ def main(argv=None):
     ap.add_argument("--scan-layers", action="store_true", help="target layers under lax.scan (faster compile)")
     ap.add_argument("--weight-dtype", default=None,
                     help="bfloat16: the target's weights in bf16 under float32 arithmetic (load_target)")
+    ap.add_argument("--weight-terms", type=int, default=3, help="with --weight-dtype bfloat16: 3 or 1 (load_target)")
     ap.add_argument("--ngram", action="store_true", help="also prompt lookup (ds.NgramDrafter), τ and speed")
     ap.add_argument("--hybrid", action="store_true", help="also the hybrid (lookup on long matches, DSpark elsewhere)")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
@@ -142,7 +143,8 @@ def main(argv=None):
             eval_prompts(name, 1)
         except FileNotFoundError as e:
             ap.error(str(e))
-    target = ds.load_target(args.target, scan_layers=args.scan_layers, weight_dtype=args.weight_dtype)
+    target = ds.load_target(args.target, scan_layers=args.scan_layers, weight_dtype=args.weight_dtype,
+                            weight_terms=args.weight_terms)
     drafters = {"DSpark": ds.load_drafter(args.drafter, target)}
     if args.topk_variant:
         d = drafters["DSpark"]

@@ -86,9 +86,19 @@ class ModelConfig:
     # (`narrow_weight_dot`): 3 = the float32 products (default; greedy speculative output
     # stays identical to autoregressive), 1 = activations rounded to bf16, the accelerators'
     # convention: a third of the matmul rows, but a 1-ulp difference in an activation can flip
-    # its rounding, so speculative and autoregressive steps may part at near-ties — for
-    # training data and features (`TrainConfig.target_weight_terms`), not for serving.
+    # its rounding, which would make speculative and autoregressive greedy output part at
+    # near-ties; with it decode steps run batch-invariant (`batch_invariant`), which keeps
+    # them identical.
     weight_terms: int = 3
+    # Decode steps whose numbers do not depend on the step's shape (how many tokens a slot,
+    # how many slots, the attention window): `layers.attend_in_fixed_order`, every decode
+    # step's cache write deferred. A verification step's logits are then bitwise the
+    # autoregressive steps' it replaces, so greedy speculative output is identical by
+    # construction, not only up to float32 summation order — with bf16 weights, whose matmul
+    # rows XLA:CPU computes alike at any row count (float32 matmuls it does not). It costs
+    # attention time at many slots (BENCHMARKS.md, "Stop 41"). None: on exactly when identity
+    # needs it, with bf16-rounded activations (`weight_terms` < 3 under narrowed weights).
+    batch_invariant: bool | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -105,6 +115,13 @@ class ModelConfig:
         if self.weight_terms not in (1, 2, 3):
             raise ValueError(f"weight_terms must be 1, 2 or 3 (bf16 terms per float32 activation), got "
                              f"{self.weight_terms!r}")
+
+    @property
+    def fixed_order_decode(self) -> bool:
+        """Whether decode steps run batch-invariant (`batch_invariant`, resolved)."""
+        if self.batch_invariant is not None:
+            return bool(self.batch_invariant)
+        return self.weight_dtype is not None and self.weight_dtype != self.dtype and self.weight_terms < 3
 
     @property
     def jnp_dtype(self):

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-dtype", default=None,
                     help="bfloat16: matmul weights stored in bf16 under float32 arithmetic (half their memory; on CPUs "
                          "with AMX / AVX512-BF16 a step of many tokens costs about what one does)")
+    ap.add_argument("--weight-terms", type=int, choices=(1, 3), default=3,
+                    help="with --weight-dtype bfloat16: bf16 terms per float32 activation, 3 (the float32 products) or "
+                         "1 (rounded to bf16: a third of the matmul rows; decode steps run batch-invariant, so greedy "
+                         "speculative output stays identical)")
     ap.add_argument("--scan-layers", action="store_true",
                     help="lax.scan over layers: faster compile, slower decoding on CPU (default: off, unrolled)")
     ap.add_argument("--no-compile-cache", action="store_true",
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         t0 = time.perf_counter()
         target = ds.load_target(args.model, dtype=args.dtype, scan_layers=args.scan_layers,
-                                weight_dtype=args.weight_dtype)
+                                weight_dtype=args.weight_dtype, weight_terms=args.weight_terms)
         drafter = ds.load_drafter(args.drafter, target) if args.drafter else None
         t_load = time.perf_counter() - t0
         policy = args.policy if drafter is not None else None

@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-dtype", default=None,
                     help="bfloat16: matmul weights stored in bf16 under float32 arithmetic (half their memory; on CPUs "
                          "with AMX / AVX512-BF16 a step of many tokens costs about what one does)")
+    ap.add_argument("--weight-terms", type=int, choices=(1, 3), default=3,
+                    help="with --weight-dtype bfloat16: 3 (the float32 products) or 1 (activations rounded to bf16, "
+                         "decode steps batch-invariant; serve.generate --help)")
     ap.add_argument("--fine-windows", action="store_true",
                     help="attention windows in 1.5x steps too (256, 384, 512, 768, ...): less attention over "
                          "unused cache positions at many requests, twice the compiled decode loops")
@@ -327,7 +330,8 @@ def main(argv=None) -> int:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         compile_stats.ensure_registered()
         t0 = time.perf_counter()
-        target = ds.load_target(args.target, dtype=args.dtype, weight_dtype=args.weight_dtype)
+        target = ds.load_target(args.target, dtype=args.dtype, weight_dtype=args.weight_dtype,
+                                weight_terms=args.weight_terms)
         drafter = load_drafter(args.drafter, target)
         engine = make_engine(args, target, drafter)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

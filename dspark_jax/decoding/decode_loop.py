@@ -353,9 +353,11 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
     grid_tok = jnp.concatenate([anchor_S[:, None], d_tok], 1)[:, :q_max]  # [S, Q]
     tokens_N = grid_tok[lay.slot_N, jnp.clip(lay.j_N, 0, q_max - 1)]
     feature_layers = drafter.feature_layers if drafter is not None else ()
-    logits_N, feats, cache = target(cache, tokens_N, seq_len_S, counts, q_max=q_max,
-                                    feature_layers=feature_layers, kv_window=kv_window,
-                                    defer_write=defer_to is not None)
+    # Batch-invariant decoding defers every step's write: one program form for every step,
+    # whose numbers do not depend on how many tokens it carries (`layers.attend_in_fixed_order`).
+    defer = defer_to is not None or target.cfg.fixed_order_decode
+    logits_N, feats, step_kv = target(cache, tokens_N, seq_len_S, counts, q_max=q_max,
+                                      feature_layers=feature_layers, kv_window=kv_window, defer_write=defer)
     # Back to the [S, Q] grid (empty cells read a clamped row; they are never used).
     tgt_logits = logits_N[jnp.minimum(lay.grid_idx_SQ, num_tokens - 1)]
     accepted, emitted = verify(verify_keys, d_tok[:, : q_max - 1], d_logits[:, : q_max - 1], tgt_logits,
@@ -372,8 +374,9 @@ def verify_bucket(target, drafter, dparams, cache, dcache, seq_len_S, anchor_S, 
         if drafter is not None and split_append(drafter):  # computed at this bucket's size, not the largest
             feats = drafter.context_rows(dparams, target, feats, lay.pos_N)
         feats = jax.tree.map(pad, feats)
-        return accepted, emitted, StepWrites(cache.padded(defer_to), feats, pad(lay.slot_N), pad(lay.pos_N),
+        return accepted, emitted, StepWrites(step_kv.padded(defer_to), feats, pad(lay.slot_N), pad(lay.pos_N),
                                              pad(keep), pad(tokens_N))
+    cache = step_kv.write(cache) if defer else step_kv
     if drafter is not None:
         dcache = append_context(drafter, dparams, dcache, target, feats, lay.slot_N, lay.pos_N, keep, tokens_N)
     return accepted, emitted, cache, dcache

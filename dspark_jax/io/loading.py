@@ -60,8 +60,9 @@ def load_target(name_or_path: str, *, dtype: str | None = None, scan_layers: boo
     arithmetic (`Target.with_weight_dtype`): the model becomes the float32 model with
     bf16-rounded weights, and on a CPU with AMX / AVX512-BF16 a step of many tokens costs
     about what one does (see BENCHMARKS.md, "bf16 weights on the CPU"). `weight_terms` = 1
-    rounds the activations to bf16 for those matmuls instead (`ModelConfig.weight_terms`:
-    faster for many tokens a step, not batch-invariant; for training data, not serving).
+    rounds the activations to bf16 for those matmuls instead (`ModelConfig.weight_terms`: a
+    third of the matmul rows; decode steps then run batch-invariant, so greedy speculative
+    output stays identical to autoregressive output: `ModelConfig.batch_invariant`).
     """
     if weight_dtype is not None:
         return load_target(name_or_path, dtype=dtype, scan_layers=scan_layers).with_weight_dtype(weight_dtype,

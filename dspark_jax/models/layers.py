@@ -31,6 +31,24 @@ def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", scale=0.02) 
     return nnx.Param(value, axes=tuple(axes))
 
 
+def tree_sum(x, axis: int = -1, keepdims: bool = False):
+    """Sum over `axis` in one fixed order whatever the other dimensions: the axis zero-padded
+    to a power of two and halved by elementwise adds. A reduction's order is XLA's choice and
+    on CPU it depends on the shape (a row of one token sums differently from the same row among
+    eight), which makes a speculative step's numbers differ from an autoregressive step's; this
+    does not. Zero padding at the end leaves the sum exact, so a longer zero-padded axis (a
+    wider attention window) gives the same result."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return jnp.moveaxis(x, -1, axis) if keepdims else x[..., 0]
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
         self.eps = eps
@@ -39,7 +57,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         # Normalise in fp32: bf16 variance loses too many bits for long contexts.
         x32 = x.astype(jnp.float32)
-        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        var = tree_sum(x32 * x32, keepdims=True) / x32.shape[-1]
         y = x32 * jax.lax.rsqrt(var + self.eps)
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
@@ -59,7 +77,8 @@ def narrow_weight_dot(x, w_OI, terms: int = 3):
     read without repacking. The result has x's dtype.
 
     `terms` < 3 keeps only the leading terms: 1 rounds x to bfloat16 (the accelerators'
-    convention; a third of the rows, not batch-invariant — see `ModelConfig.weight_terms`)."""
+    convention; a third of the rows — decode steps then run batch-invariant, see
+    `ModelConfig.batch_invariant`)."""
     lead, din = x.shape[:-1], x.shape[-1]
     x_MI = x.reshape(-1, din).astype(jnp.float32)
     parts, rest = [], x_MI
@@ -255,6 +274,111 @@ def attend_cached_and_new(q_SQHE, kt_SKET, v_SKTE, ctx_ST, k_SQKE, v_SQKE, new_S
     live = jnp.any(ctx_ST, -1)[:, None, None, None] | jnp.any(m2, -1, keepdims=True)  # [S, 1, Q·I, 1]
     o = jnp.where(live, o / den, 0.0).astype(q_SQHE.dtype)
     return o.reshape(S, K, Q, I, E).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
+
+
+# Keys each batch-invariant decode query reads outside the cache-wide reduction
+# (`attend_in_fixed_order`): itself and the RECENT - 1 positions before it. A step's queries
+# per slot must not exceed it (a longer block widens it, and is then exact but not invariant).
+RECENT = 16
+
+
+def _chained_scores(q_SKQIE, k_SKQER):
+    """q · k over the head dim as a chain of E multiply-adds in index order (one fused loop
+    vectorised along the keys), for keys gathered per query: q [S, K, Q, I, E], keys
+    [S, K, Q, E, R] → [S, K, Q, I, R]. One order by construction, whatever S and Q."""
+    acc = q_SKQIE[..., 0, None] * k_SKQER[:, :, :, None, 0, :]
+    for e in range(1, q_SKQIE.shape[-1]):
+        acc = acc + q_SKQIE[..., e, None] * k_SKQER[:, :, :, None, e, :]
+    return acc
+
+
+# Positions per block of the cache-wide scores (`_blocked_scores`).
+SCORE_BLOCK = 128
+
+
+def _blocked_scores(q_SKQIE, kt_SKET):
+    """q · k for every cached position, [S, K, Q, I, T]: the keys regrouped in blocks of
+    SCORE_BLOCK positions, [S, K, T/B, E, B], and XLA's multiply-reduce over the head dim.
+    Over the flat [E, T] layout XLA:CPU sums the head dim in an order that changes with T
+    (every window ≥ 1,024 measured differs from 256); over fixed-size blocks every window is
+    the same reduction repeated, and a position's score is the same at every slot count,
+    query count and window (`benchmarks/bench_batch_invariance.py` measures it). The regrouping
+    is a transpose XLA fuses into the reduction: as fast as the flat form at one slot, faster
+    from 1,024 positions (reducing over E of a merely reshaped [E, T/B, B] view instead is
+    equally invariant but ~10× slower on XLA:CPU). A cache whose length is not a multiple of
+    the block is one block."""
+    S, K, E, T = kt_SKET.shape
+    B = SCORE_BLOCK if T % SCORE_BLOCK == 0 else T
+    k = kt_SKET.reshape(S, K, E, T // B, B).transpose(0, 1, 3, 2, 4)  # [S, K, T/B, E, B]
+    s = jnp.sum(q_SKQIE[:, :, :, :, None, :, None] * k[:, :, None, None], axis=-2)  # [S, K, Q, I, T/B, B]
+    return s.reshape(*s.shape[:4], T)
+
+
+def attend_in_fixed_order(q_SQHE, kt_SKET, v_SKTE, pos_SQ, valid_SQ, new=None, recent: int = RECENT):
+    """Attention of a decode step's queries whose every number is the same whether the step
+    carries one token per slot (autoregressive) or a block of them (verification), at any
+    slot count and attention window — what makes a speculative step's logits bitwise equal to
+    the autoregressive steps' it replaces (`ModelConfig.batch_invariant`; measured by
+    `benchmarks/bench_batch_invariance.py`, tested in `tests/models/test_narrow_weights.py`).
+
+    A query at position p splits its keys by position alone: the cache-wide part, positions
+    ≤ p − `recent`, and the recent part, the `recent` positions p − `recent` + 1 … p. Which
+    keys sit in the cache and which come with the step (`new`) then never decides how they
+    are summed: the recent part is gathered, from the cache or from the step, into the same
+    `recent` slots for every query. Each sum is one whose order does not depend on the shape:
+    scores over position blocks (`_blocked_scores`) and chained multiply-adds
+    (`_chained_scores`), the softmax denominator as a `tree_sum`, the values as XLA's
+    multiply-reduce over positions vectorised along the head dim (measured invariant:
+    `bench_batch_invariance`); masked keys add exact zeros, so a wider window or a masked-out
+    key changes nothing. This rests on XLA:CPU's code generation as measured, not on a
+    guarantee: the tests and the benchmark check it on the machine they run on.
+
+    q [S, Q, H, E] with Q ≤ `recent`; the cache (heads-major: keys [S, K, E, T], values
+    [S, K, T, E]); pos [S, Q] each query's position (a slot's queries consecutive); valid
+    [S, Q]. `new` = (k, v) [S, Q, K, E]: the step's own keys and values, not in the cache yet
+    (positions ≥ pos[:, 0] come from them); None: the cache already holds them. Scores and
+    softmax in fp32; invalid queries give zeros."""
+    S, Q, H, E = q_SQHE.shape
+    K = kt_SKET.shape[1]
+    I = H // K
+    T = kt_SKET.shape[-1]
+    R = recent
+    if Q > R:
+        raise ValueError(f"a fixed-order decode step takes at most {R} queries per slot, got {Q}")
+    f32 = jnp.float32
+    q = q_SQHE.reshape(S, Q, K, I, E).transpose(0, 2, 1, 3, 4).astype(f32) * (1.0 / math.sqrt(E))  # [S, K, Q, I, E]
+    # Cache-wide part: positions <= p - R.
+    s1 = _blocked_scores(q, kt_SKET.astype(f32))  # [S, K, Q, I, T]
+    old = (jnp.arange(T)[None, None, :] <= pos_SQ[..., None] - R) & valid_SQ[..., None]  # [S, Q, T]
+    s1 = s1 + _additive(old)[:, None, :, None, :]
+    # Recent part: C[s, c] is position start_s - R + c (c < R + Q); query j reads C[j + r], r < R.
+    start = pos_SQ[:, 0]
+    cpos = start[:, None] - R + jnp.arange(R + Q)[None, :]  # [S, R + Q]
+    from_cache = jnp.clip(cpos, 0, T - 1)
+    kc = jnp.take_along_axis(kt_SKET, from_cache[:, None, None, :], axis=-1).astype(f32)  # [S, K, E, R + Q]
+    vc = jnp.take_along_axis(v_SKTE, from_cache[:, None, :, None], axis=2).astype(f32)  # [S, K, R + Q, E]
+    if new is not None:  # the step's keys, at the cache's precision as if written there first
+        k_new, v_new = new
+        step = (cpos >= start[:, None])[:, None]
+        kn = jnp.pad(k_new.astype(kt_SKET.dtype).astype(f32).transpose(0, 2, 3, 1), ((0, 0), (0, 0), (0, 0), (R, 0)))
+        vn = jnp.pad(v_new.astype(v_SKTE.dtype).astype(f32).transpose(0, 2, 1, 3), ((0, 0), (0, 0), (R, 0), (0, 0)))
+        kc = jnp.where(step[:, :, None, :], kn, kc)
+        vc = jnp.where(step[..., None], vn, vc)
+    win = jnp.arange(Q)[:, None] + jnp.arange(R)[None, :] + 1  # [Q, R]: positions p - R + 1 … p
+    kw = kc[..., win]  # [S, K, E, Q, R]
+    vw = vc[:, :, win]  # [S, K, Q, R, E]
+    s2 = _chained_scores(q, kw.transpose(0, 1, 3, 2, 4))  # [S, K, Q, I, R]
+    wpos = pos_SQ[..., None] - R + 1 + jnp.arange(R)  # [S, Q, R]
+    recent = (wpos >= 0) & valid_SQ[..., None]
+    s2 = s2 + _additive(recent)[:, None, :, None, :]
+    mx = jnp.maximum(jnp.max(s1, -1, keepdims=True), jnp.max(s2, -1, keepdims=True))
+    p1 = jnp.exp(s1 - mx)
+    p2 = jnp.exp(s2 - mx)
+    den = tree_sum(p1, keepdims=True) + tree_sum(p2, keepdims=True)
+    o = (jnp.sum(p1[..., None] * v_SKTE[:, :, None, None].astype(f32), axis=-2)
+         + jnp.sum(p2[..., None] * vw[:, :, :, None], axis=-2))  # [S, K, Q, I, E]
+    o = jnp.where(valid_SQ[:, None, :, None, None], o / den, 0.0).astype(q_SQHE.dtype)
+    return o.transpose(0, 2, 1, 3, 4).reshape(S, Q, H, E)
 
 
 class Attention(nnx.Module):

@@ -31,8 +31,8 @@ class Target:
     def with_weight_dtype(self, weight_dtype: str | None, terms: int = 3) -> Target:
         """This target with its matmul weights stored as `weight_dtype` ("bfloat16" under
         float32 activations; see `Transformer.narrow_weights`), each activation multiplied as
-        `terms` bf16 terms (`ModelConfig.weight_terms`: 3, exact, unless you want speed over
-        batch invariance). None or the activation dtype: itself."""
+        `terms` bf16 terms (`ModelConfig.weight_terms`: 3, the float32 products; 1, rounded
+        activations, a third of the rows, with batch-invariant decode steps). None or the activation dtype: itself."""
         if weight_dtype in (None, self.cfg.dtype) or (weight_dtype, terms) == (self.cfg.weight_dtype,
                                                                                 self.cfg.weight_terms):
             return self

@@ -27,11 +27,13 @@ from flax import nnx, struct
 from dspark_jax.config import ModelConfig
 from dspark_jax.models.layers import (
     MLP,
+    RECENT,
     Attention,
     Linear,
     RMSNorm,
     attend_cached,
     attend_cached_and_new,
+    attend_in_fixed_order,
     narrow_weight_dot,
     param,
     rope_inv_freq,
@@ -192,12 +194,18 @@ class DecoderLayer(nnx.Module):
         k, v = self.self_attn.project_kv(h, lay.pos_N, inv_freq)
         return q, k, v
 
-    def finish(self, x_ND, q_NHE, kt_SKET, v_SKTE, lay: PackedLayout, mask_SQT, new=None):
-        """Attention of the step's queries over the (already updated) cache, then the MLP.
-        `new` = (k [N, K, E], v [N, K, E], mask [S, Q, Q]): the cache does not hold this
-        step's tokens (a deferred write) and `mask_SQT` [S, T] allows each slot's context."""
+    def finish(self, x_ND, q_NHE, kt_SKET, v_SKTE, lay: PackedLayout, mask_SQT, new=None, recent=RECENT):
+        """Attention of the step's queries over the cache, then the MLP. `mask_SQT` None: a
+        batch-invariant decode step (at most `recent` queries a slot, `attend_in_fixed_order`),
+        `new` = (k [N, K, E], v [N, K, E]) the step's keys and values when the cache does not
+        hold them yet (a deferred write). Otherwise `mask_SQT` says which cached positions each
+        query reads: [S, Q, T] with the step already written, or [S, T] (the committed
+        context) with `new` = (k, v, mask [S, Q, Q]) beside it (`attend_cached_and_new`)."""
         grid = _grid(q_NHE, lay)
-        if new is None:
+        if mask_SQT is None:
+            new_SQ = None if new is None else (_grid(new[0], lay), _grid(new[1], lay))
+            o_SQHE = attend_in_fixed_order(grid, kt_SKET, v_SKTE, lay.grid_pos_SQ, lay.grid_valid_SQ, new_SQ, recent)
+        elif new is None:
             o_SQHE = attend_cached(grid, kt_SKET, v_SKTE, mask_SQT)
         else:
             k_N, v_N, new_SQQ = new
@@ -368,12 +376,24 @@ class Transformer(nnx.Module):
         T = cache.length
         W = T if kv_window is None else min(int(kv_window), T)
         lay = packed_layout(starts_S, counts_S, N, q_max)
-        if defer_write:
+        # A decode step (or a deferred write) attends in a fixed order: its numbers do not depend
+        # on the step's shape. A block longer than RECENT queries a slot widens the recent part
+        # (exact still, but no longer bitwise the same as one-token steps').
+        recent = max(RECENT, q_max) if defer_write else RECENT
+        fixed = cfg.fixed_order_decode and (defer_write or q_max <= RECENT)
+        if fixed:
+            mask = None
+        elif defer_write:
             mask = jnp.arange(W)[None, :] < starts_S[:, None]  # [S, W]: the committed context
             q = jnp.arange(q_max)
             new_mask = (q[None, :] <= q[:, None])[None] & lay.grid_valid_SQ[:, None, :]  # [S, Q, Q]
         else:
             mask = (jnp.arange(W)[None, None, :] <= lay.grid_pos_SQ[..., None]) & lay.grid_valid_SQ[..., None]
+        def new_of(k, v):  # the step's own keys and values beside the cache (a deferred write)
+            if not defer_write:
+                return None
+            return (k, v) if fixed else (k, v, new_mask)
+
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         x = self.embed(tokens_N)
         taps = {-1: x} if -1 in feature_layers else {}
@@ -394,7 +414,7 @@ class Transformer(nnx.Module):
                     ks, vs = _write_layer(ks, vs, i, ws, wp, k, v)
                 k_w = jax.lax.dynamic_index_in_dim(ks, i, 0, keepdims=False)[..., :W]
                 v_w = jax.lax.dynamic_index_in_dim(vs, i, 0, keepdims=False)[:, :, :W]
-                x = layer.finish(x, q, k_w, v_w, lay, mask, (k, v, new_mask) if defer_write else None)
+                x = layer.finish(x, q, k_w, v_w, lay, mask, new_of(k, v), recent)
                 return (x, ks, vs, i + 1), (x if feature_layers else None, k if defer_write else None,
                                             v if defer_write else None)
 
@@ -416,7 +436,7 @@ class Transformer(nnx.Module):
                 # W < T copies the window out (on CPU); the decode loops size the cache to it.
                 k_w = ks[i] if W == T else ks[i][..., :W]
                 v_w = vs[i] if W == T else vs[i][:, :, :W]
-                x = layer.finish(x, q, k_w, v_w, lay, mask, (k, v, new_mask) if defer_write else None)
+                x = layer.finish(x, q, k_w, v_w, lay, mask, new_of(k, v), recent)
                 if i in feature_layers:
                     taps[i] = x
             if defer_write:

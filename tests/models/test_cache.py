@@ -262,11 +262,15 @@ def _reference_attention(q_SQHE, k_STKE, v_STKE, mask_SQT):
     return out
 
 
-def test_cached_attention_masks_exactly_and_zeroes_empty_rows():
-    """`attend_cached` (the mask added to the scores) and `attend_cached_and_new` (cache only
-    read, the step's own keys beside it) against a float64 reference, with ragged masks and
-    rows with no allowed key (empty grid cells: zeros, not a mean of the values)."""
-    from dspark_jax.models.layers import attend_cached, attend_cached_and_new
+@pytest.mark.parametrize("recent", [4, 32])
+def test_cached_attention_masks_exactly_and_zeroes_empty_rows(recent):
+    """`attend_cached` (the mask added to the scores) and `attend_in_fixed_order` (a decode
+    step: the cache-wide part and each query's `recent` last positions; with the step's keys
+    already in the cache, or beside it as a deferred write) against a float64 reference, with
+    ragged masks and rows with no allowed key (empty grid cells: zeros, not a mean of the
+    values). `recent` = 4 splits most queries' keys between the two parts; 32 puts them all in
+    the recent part."""
+    from dspark_jax.models.layers import attend_cached, attend_in_fixed_order
 
     rng = np.random.default_rng(0)
     S, Q, H, K, E, T = 3, 4, 6, 2, 8, 16
@@ -279,16 +283,26 @@ def test_cached_attention_masks_exactly_and_zeroes_empty_rows():
     valid = np.arange(Q)[None] < counts[:, None]
     mask = (np.arange(T)[None, None] <= qpos[..., None]) & valid[..., None]  # [S, Q, T]
     kt, vh = jnp.asarray(k.transpose(0, 2, 3, 1)), jnp.asarray(v.transpose(0, 2, 1, 3))
+    want = _reference_attention(q, k, v, mask)
     got = np.asarray(attend_cached(jnp.asarray(q), kt, vh, jnp.asarray(mask)))
-    np.testing.assert_allclose(got, _reference_attention(q, k, v, mask), atol=2e-6)
+    np.testing.assert_allclose(got, want, atol=2e-6)
     assert not got[2].any() and not got[1, 2:].any()
 
-    # The same step with its keys not yet written: context [S, T] + the step's own [S, Q, Q].
-    ctx = np.arange(T)[None] < lens[:, None]
-    new = (np.arange(Q)[None, :] <= np.arange(Q)[:, None])[None] & valid[:, None, :]
+    # A decode step in fixed order: the cache holding the step's keys, then not yet (they come
+    # beside it; the cache past each slot's context holds stale values that must not be read).
+    def fixed(kt_SKET, v_SKTE, new=None):
+        return np.asarray(attend_in_fixed_order(jnp.asarray(q), kt_SKET, v_SKTE, jnp.asarray(qpos, jnp.int32),
+                                                jnp.asarray(valid), new, recent=recent))
+
+    got1 = fixed(kt, vh)
+    np.testing.assert_allclose(got1, want, atol=2e-6)
     at = lens[:, None] + np.arange(Q)[None]  # each slot's step positions (all inside T)
     k_new, v_new = k[np.arange(S)[:, None], at], v[np.arange(S)[:, None], at]
-    got2 = np.asarray(attend_cached_and_new(jnp.asarray(q), kt, vh, jnp.asarray(ctx),
-                                            jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(new)))
-    # Cells of the grid past a slot's count attend to its context (their outputs are never read).
-    np.testing.assert_allclose(got2[valid], _reference_attention(q, k, v, mask)[valid], atol=2e-6)
+    stale = np.arange(T)[None, :] >= lens[:, None]  # [S, T]
+    kt_stale = np.where(stale[:, None, None, :], 50.0, k.transpose(0, 2, 3, 1)).astype(np.float32)
+    vh_stale = np.where(stale[:, None, :, None], 50.0, v.transpose(0, 2, 1, 3)).astype(np.float32)
+    got2 = fixed(jnp.asarray(kt_stale), jnp.asarray(vh_stale), (jnp.asarray(k_new), jnp.asarray(v_new)))
+    np.testing.assert_array_equal(got2, got1)  # the same numbers wherever the step's keys are
+    assert not got2[2].any() and not got2[1, 2:].any()
+    with pytest.raises(ValueError, match="at most 2 queries"):
+        attend_in_fixed_order(jnp.asarray(q), kt, vh, jnp.asarray(qpos, jnp.int32), jnp.asarray(valid), recent=2)

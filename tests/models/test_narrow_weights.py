@@ -85,10 +85,13 @@ def test_narrowed_scanned_target_equals_unrolled(tiny_target):
     assert ds.Target.random(cfg.replace(weight_dtype="bfloat16")).cfg.weight_dtype == "bfloat16"
 
 
-def test_narrowed_target_decodes_speculatively_as_autoregressively(tiny_target):
+@pytest.mark.parametrize("terms", [3, 1])
+def test_narrowed_target_decodes_speculatively_as_autoregressively(tiny_target, terms):
     """Greedy identity on the narrowed target, every policy (the steps verify 1 … γ+1 rows
-    per request: the narrowed matmul must not depend on the row count beyond float32)."""
-    target = tiny_target("llama", seed=4, num_layers=2).with_weight_dtype("bfloat16")
+    per request: the narrowed matmul must not depend on the row count), also with the
+    activations rounded to bf16 (1 term: identical only because a decode step's numbers do
+    not depend on its shape at all)."""
+    target = tiny_target("llama", seed=4, num_layers=2).with_weight_dtype("bfloat16", terms)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 128, n).tolist() for n in (3, 9, 5)]
     # A repetitive prompt, so prompt lookup drafts long accepted blocks.
@@ -154,13 +157,26 @@ def test_one_term_target_computes_at_bf16_precision(tiny_target):
     assert ds.Target.random(f32.cfg.replace(weight_dtype="bfloat16", weight_terms=1)).cfg.weight_terms == 1
 
 
-def test_a_verification_step_computes_the_autoregressive_logits(tiny_target):
+@pytest.mark.parametrize("weights,invariant", [("float32", False), ("bf16 3 terms", False), ("bf16 1 term", True)])
+def test_a_verification_step_computes_the_autoregressive_logits(tiny_target, weights, invariant):
     """`benchmarks.bench_batch_invariance.ar_vs_verify`: one verification step of 4 tokens a
-    slot against the 4 one-token steps it replaces, from the same cache: with three terms the
-    logits agree to float32 summation order, the premise of greedy identity. (Not bitwise:
-    XLA:CPU sums in a shape-dependent order — BENCHMARKS.md, "Stop 40".)"""
+    slot against the 4 one-token steps it replaces, from the same cache. Batch-invariant
+    decoding (`ModelConfig.batch_invariant`; on by default with 1 term, where the activations
+    are rounded to bf16 and a 1-ulp difference flips a rounding) gives bitwise the same
+    logits (`layers.attend_in_fixed_order`, `layers.tree_sum` in RMSNorm; the bf16 matmul rows
+    are invariant themselves — float32 ones are not). Without it they agree to float32
+    summation order only, and not bitwise: the control that shows the invariant path is what
+    makes them equal."""
     from benchmarks.bench_batch_invariance import ar_vs_verify
 
-    f32 = tiny_target("llama", seed=5, num_layers=2)
-    eq, rows, worst, agree = ar_vs_verify(f32.with_weight_dtype("bfloat16"), slots=2, block=4, trials=2)
-    assert rows == 16 and 0 <= eq <= rows and agree == 1.0 and worst < ATOL
+    terms = 1 if weights.endswith("1 term") else 3
+    target = tiny_target("llama", seed=5, num_layers=2,
+                         batch_invariant=None if terms == 1 else invariant)
+    if weights != "float32":
+        target = target.with_weight_dtype("bfloat16", terms)
+    assert target.cfg.fixed_order_decode == invariant
+    eq, rows, worst, agree = ar_vs_verify(target, slots=2, block=4, trials=2)
+    if invariant:
+        assert (eq, rows, worst, agree) == (16, 16, 0.0, 1.0)
+    else:
+        assert rows == 16 and eq < rows and 0 < worst < ATOL and agree == 1.0
