@@ -1,20 +1,26 @@
 """Are a decode step's numbers independent of the step's shape? Greedy speculative output equals
 autoregressive output only if a verification step (a block of K + 1 tokens a slot) computes the
-same logits as the K + 1 one-token steps it replaces; bitwise equality would make that exact
-rather than empirical, and would let verification round activations to bf16 (1 term a row
-instead of 3, `ModelConfig.weight_terms`) without parting from autoregressive output at
-near-ties. Two measurements:
+same logits as the K + 1 one-token steps it replaces; bitwise equality makes that exact rather
+than empirical, and lets verification round activations to bf16 (1 term a row instead of 3,
+`ModelConfig.weight_terms`) without parting from autoregressive output at near-ties — what
+batch-invariant decode steps (`ModelConfig.batch_invariant`, on with 1 term) are for.
+Measurements:
 
 1. The target: K + 1 autoregressive steps against one verification step (deferred write, as
-   the scheduled policies run it) from the same prefilled cache — rows bitwise equal, the
-   largest |Δ logit|, argmax agreement.
+   the decode loop runs them) from the same prefilled cache — rows bitwise equal, the largest
+   |Δ logit|, argmax agreement; per weight-term count (batch-invariant with 1 term).
 2. The XLA:CPU reductions a decode step is made of, each computed for one row at several slot
    counts S, queries per slot Q and attention windows T (zero-padded): the shapes at which
    that row's result differs from the (S, Q, T) = (1, 1, 256) one; then alternatives that
    sum in one order (halving trees, chained multiply-adds) or were measured to (BENCHMARKS.md,
    "Stop 40", says what they cost in a decode step).
 
+3. With `--generate N`: greedy `generate()` of 3·N evaluation prompts together, speculative
+   (fixed and dspark policies) against autoregressive, with 1 term and batch-invariant decode
+   steps on (`ModelConfig.batch_invariant`) and off (the control).
+
     python -m benchmarks.bench_batch_invariance [--target smollm2-135m] [--terms 3,1] [--trials 4]
+        [--generate 4 --max-new-tokens 128]
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import dspark_jax as ds
-from benchmarks.common import hardware, machine_load, table
+from benchmarks.common import eval_prompts, hardware, machine_load, table
 from dspark_jax.models.layers import _cached_scores
 from dspark_jax.models.transformer import KVCache
 
@@ -70,6 +76,22 @@ def ar_vs_verify(target, *, slots: int, block: int, trials: int, seed: int = 0):
         worst = max(worst, float(np.abs(ar - verify).max()))
         agree.append(float((ar.argmax(-1) == verify.argmax(-1)).mean()))
     return equal, rows, worst, float(np.mean(agree))
+
+
+def greedy_identity(target, drafter, prompts, *, max_new: int, policies=("fixed", "dspark")):
+    """[(policy, answers identical to autoregressive, answers, first differing positions, τ)]:
+    greedy `generate()` of all the prompts together (chat template), speculative against
+    autoregressive."""
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    sp = ds.SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    ar = ds.generate(target, chats, sampling=sp).token_ids
+    out = []
+    for policy in policies:
+        got = ds.generate(target, chats, drafter=drafter, sampling=sp, policy=policy)
+        first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                 for a, b in zip(ar, got.token_ids) if a != b]
+        out.append((policy, len(prompts) - len(first), len(prompts), first, got.stats["tau"]))
+    return out
 
 
 def _tree_sum(x):
@@ -162,6 +184,11 @@ def main():
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--block", type=int, default=8, help="tokens a slot in the verification step (K + 1)")
     ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="also greedy generate() of N prompts from each of HumanEval, MT-Bench, GSM8K together, "
+                         "1 term, batch-invariant decode on and off (the control), speculative vs autoregressive")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--drafter", default="smollm2-135m-dspark+ngram")
     a = ap.parse_args()
     print(f"{hardware()}; {machine_load()}")
     rows = []
@@ -172,6 +199,19 @@ def main():
     print(f"\n{a.target}: {a.block} one-token steps vs one verification step of {a.block} tokens a slot, "
           f"{a.slots} slots, {a.trials} random prompts each")
     print(table(["weights", "rows bitwise equal", "max |Δ logit|", "argmax agreement"], rows))
+    if a.generate:
+        prompts = [p for name in ("humaneval", "mt-bench", "gsm8k") for p in eval_prompts(name, a.generate)]
+        base = ds.load_target(a.target, weight_dtype="bfloat16", weight_terms=1)
+        rows = []
+        for on in (True, False):
+            target = base.with_batch_invariant(on)
+            drafter = ds.load_drafter(a.drafter, target)
+            for policy, same, n, first, tau in greedy_identity(target, drafter, prompts, max_new=a.max_new_tokens):
+                rows.append([f"1 term, batch-invariant {'on' if on else 'off'}", policy, f"{same} / {n}",
+                             ", ".join(map(str, first)) or "–", f"{tau:.2f}"])
+        print(f"\ngreedy generate(), {len(prompts)} prompts together ({a.generate} each of HumanEval, MT-Bench, "
+              f"GSM8K), {a.max_new_tokens} new tokens, drafter {a.drafter}")
+        print(table(["target", "policy", "answers identical to autoregressive", "first difference at", "τ"], rows))
     print("\nXLA reductions: shapes (S, Q, T) where row 0 differs from (1, 1, 256)")
     print(table(["reduction", "shapes that differ", "e.g."],
                 [[name, f"{len(bad)} of {tried}", ", ".join(map(str, bad[:3])) or "–"]

@@ -45,6 +45,16 @@ class Target:
         graphdef, state = nnx.split(model)
         return dataclasses.replace(self, cfg=cfg, graphdef=graphdef, state=state)
 
+    def with_batch_invariant(self, on: bool | None) -> Target:
+        """This target with `ModelConfig.batch_invariant` set (None: on exactly with rounded
+        activations, `weight_terms` < 3): the same weights, decode steps compiled batch-invariant
+        or not."""
+        cfg = self.cfg.replace(batch_invariant=on)
+        model = self.module()
+        model.cfg = cfg
+        graphdef, state = nnx.split(model)
+        return dataclasses.replace(self, cfg=cfg, graphdef=graphdef, state=state)
+
     @classmethod
     def abstract(cls, cfg: ModelConfig):
         """(graphdef, abstract state) without allocating any weights."""
