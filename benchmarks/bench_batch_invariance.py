@@ -20,7 +20,7 @@ Measurements:
    steps on (`ModelConfig.batch_invariant`) and off (the control).
 
     python -m benchmarks.bench_batch_invariance [--target smollm2-135m] [--terms 3,1] [--trials 4]
-        [--generate 4 --max-new-tokens 128]
+        [--generate 4 --max-new-tokens 128 --policies fixed]
 """
 
 from __future__ import annotations
@@ -188,6 +188,8 @@ def main():
                     help="also greedy generate() of N prompts from each of HumanEval, MT-Bench, GSM8K together, "
                          "1 term, batch-invariant decode on and off (the control), speculative vs autoregressive")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--policies", default="fixed",
+                    help="comma-separated policies of --generate (dspark profiles its step-rate table: ~10 min more)")
     ap.add_argument("--drafter", default="smollm2-135m-dspark+ngram")
     a = ap.parse_args()
     print(f"{hardware()}; {machine_load()}")
@@ -206,7 +208,8 @@ def main():
         for on in (True, False):
             target = base.with_batch_invariant(on)
             drafter = ds.load_drafter(a.drafter, target)
-            for policy, same, n, first, tau in greedy_identity(target, drafter, prompts, max_new=a.max_new_tokens):
+            for policy, same, n, first, tau in greedy_identity(target, drafter, prompts, max_new=a.max_new_tokens,
+                                                               policies=a.policies.split(",")):
                 rows.append([f"1 term, batch-invariant {'on' if on else 'off'}", policy, f"{same} / {n}",
                              ", ".join(map(str, first)) or "–", f"{tau:.2f}"])
         print(f"\ngreedy generate(), {len(prompts)} prompts together ({a.generate} each of HumanEval, MT-Bench, "
