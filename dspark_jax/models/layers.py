@@ -50,6 +50,10 @@ def tree_sum(x, axis: int = -1, keepdims: bool = False):
 
 
 class RMSNorm(nnx.Module):
+    # Sum the squares in one fixed order (`tree_sum`) instead of XLA's shape-dependent one:
+    # set by the target when its decode steps run batch-invariant (`ModelConfig.batch_invariant`).
+    fixed_order = False
+
     def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
         self.eps = eps
         self.weight = param(None, (dim,), (axis_name,), dtype, init="ones")
@@ -57,7 +61,10 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         # Normalise in fp32: bf16 variance loses too many bits for long contexts.
         x32 = x.astype(jnp.float32)
-        var = tree_sum(x32 * x32, keepdims=True) / x32.shape[-1]
+        if self.fixed_order:
+            var = tree_sum(x32 * x32, keepdims=True) / x32.shape[-1]
+        else:
+            var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         y = x32 * jax.lax.rsqrt(var + self.eps)
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 

@@ -41,7 +41,7 @@ class Target:
         cfg = self.cfg.replace(weight_dtype=weight_dtype, weight_terms=terms)  # validates them
         model = self.module()
         model.narrow_weights(jnp.dtype(weight_dtype), terms)
-        model.cfg = cfg
+        model.set_config(cfg)
         graphdef, state = nnx.split(model)
         return dataclasses.replace(self, cfg=cfg, graphdef=graphdef, state=state)
 
@@ -51,7 +51,7 @@ class Target:
         or not."""
         cfg = self.cfg.replace(batch_invariant=on)
         model = self.module()
-        model.cfg = cfg
+        model.set_config(cfg)
         graphdef, state = nnx.split(model)
         return dataclasses.replace(self, cfg=cfg, graphdef=graphdef, state=state)
 

@@ -301,8 +301,17 @@ class Transformer(nnx.Module):
             if cfg.tie_word_embeddings
             else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
         )
+        self.set_config(cfg)
 
     lm_head_layout = "dv"
+
+    def set_config(self, cfg: ModelConfig):
+        """Sets the config after a change that keeps the weights' shapes (`Target`'s narrowed
+        weights, `batch_invariant`), and with it how every norm sums (`RMSNorm.fixed_order`)."""
+        self.cfg = cfg
+        for _, m in nnx.iter_graph(self):
+            if isinstance(m, RMSNorm):
+                m.fixed_order = cfg.fixed_order_decode
 
     def narrow_weights(self, dtype, terms: int = 3):
         """Stores every matmul weight (projections, LM head) as `dtype` — bfloat16 under float32
