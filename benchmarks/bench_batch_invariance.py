@@ -36,7 +36,7 @@ from flax import nnx
 
 import dspark_jax as ds
 from benchmarks.common import eval_prompts, hardware, machine_load, table
-from dspark_jax.models.layers import _cached_scores
+from dspark_jax.models.layers import _blocked_scores, _cached_scores, tree_sum
 from dspark_jax.models.transformer import KVCache
 
 
@@ -94,28 +94,12 @@ def greedy_identity(target, drafter, prompts, *, max_new: int, policies=("fixed"
     return out
 
 
-def _tree_sum(x):
-    """Sum over the last axis by halving (elementwise adds: one order whatever the shape)."""
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
-    while x.shape[-1] > 1:
-        x = x[..., :x.shape[-1] // 2] + x[..., x.shape[-1] // 2:]
-    return x[..., 0]
-
-
 def _chained_scores(q, kt):
     """q [S, K, Q, I, E] · keys [S, K, E, T] as E multiply-adds in index order."""
     acc = q[..., 0, None] * kt[:, :, None, None, 0, :]
     for e in range(1, q.shape[-1]):
         acc = acc + q[..., e, None] * kt[:, :, None, None, e, :]
     return acc
-
-
-def _blocked_scores(q, kb):
-    """q [S, K, Q, I, E] · keys in position blocks [S, K, nB, E, B] → [S, K, Q, I, nB · B]:
-    every block is the same reduction, whatever the window."""
-    s = jnp.sum(q[:, :, :, :, None, :, None] * kb[:, :, None, None], axis=-2)
-    return s.reshape(*s.shape[:4], -1)
 
 
 def _reductions(K=3, I=3, E=64, D=576):
@@ -147,13 +131,12 @@ def _reductions(K=3, I=3, E=64, D=576):
             (lambda a, b: jnp.sum(a[..., None] * b[:, :, None], axis=-2)[0, :, :I],
              lambda S, Q, T: (p[:S, :, :Q * I, :T], v[:S, :, :T])),
         "alternative: RMSNorm's sum as a halving tree":
-            (lambda a: _tree_sum(a * a)[0], lambda S, Q, T: (x[:S * Q],)),
+            (lambda a: tree_sum(a * a)[0], lambda S, Q, T: (x[:S * Q],)),
         "alternative: denominator as a halving tree":
-            (lambda a: _tree_sum(a)[0, :, :I], lambda S, Q, T: (p[:S, :, :Q * I, :T],)),
-        "alternative: scores over keys in position blocks [S, K, T/128, E, 128]":
+            (lambda a: tree_sum(a)[0, :, :I], lambda S, Q, T: (p[:S, :, :Q * I, :T],)),
+        "alternative: scores over keys in position blocks [S, K, T/128, E, 128] (`layers._blocked_scores`)":
             (lambda a, b: _blocked_scores(a, b)[0, :, 0, :, :live],
-             lambda S, Q, T: (q[:S, :, :Q * I].reshape(S, K, Q, I, E),
-                              kt[:S, ..., :T].reshape(S, K, E, T // 128, 128).transpose(0, 1, 3, 2, 4))),
+             lambda S, Q, T: (q[:S, :, :Q * I].reshape(S, K, Q, I, E), kt[:S, ..., :T])),
         "alternative: scores as E chained multiply-adds, queries [S, K, Q, I, E]":
             (lambda a, b: _chained_scores(a, b)[0, :, 0, :, :live],
              lambda S, Q, T: (q[:S, :, :Q * I].reshape(S, K, Q, I, E), kt[:S, ..., :T])),
