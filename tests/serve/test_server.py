@@ -341,9 +341,9 @@ def test_32_concurrent_streams_two_disconnect(server, refs):
     assert d("dspark_decode_cycles_total") > 0 and m["dspark_tau"] == 1.0  # autoregressive
 
 
-# Seconds of measured load in the soak (after 30 s of warm-up load). The suite runs 60 s; the
+# Seconds of measured load in the soak (after 30 s of warm-up load). The suite runs 30 s; the
 # issue's few-minute soak is `DSPARK_SOAK_S=300 python -m pytest -q -m soak tests/serve/test_server.py`.
-SOAK_S = float(os.environ.get("DSPARK_SOAK_S", "60"))
+SOAK_S = float(os.environ.get("DSPARK_SOAK_S", "30"))
 
 
 @pytest.mark.slow
@@ -393,7 +393,7 @@ def test_soak_memory_and_compiles_stay_flat(server, client):
     rss1, m = server.rss_mb(), server.metrics()
     print(f"soak: {n} requests, RSS {rss0:.0f} → {rss1:.0f} MB, compiles {c0:.0f} → "
           f"{m['dspark_xla_compiles_total']:.0f}")
-    assert n >= 0.2 * SOAK_S  # 40% of the expected 0.5/s (P < 1e-4 by chance): the load really ran
+    assert n >= 0.2 * SOAK_S  # 40% of the 0.5/s the seeded gaps draw (15 at 30 s): the load really ran
     assert m["dspark_xla_compiles_total"] == c0, "compiled after warm-up"
     assert rss1 - rss0 < max(48.0, 0.05 * rss0), f"RSS grew from {rss0:.0f} to {rss1:.0f} MB over {n} requests"
 
