@@ -17,6 +17,12 @@ answers it with its chat template (on-policy data, see `regenerate.py`). Sources
   (toolz, networkx, sympy, mpmath, jinja2, pyparsing, numpy, scipy, ...; those not installed are
   skipped), docstrings cut before their examples, references and notes — none of the prompts
   the two `pystdlib` sources give (~1,300 more).
+- `pyexercises`: small algorithmic exercises from a seeded generator (36 tasks on lists, strings,
+  dicts and integers — filter, rotate, count, parse, encode — under random names and constants), as a
+  function stub whose docstring's examples are the task's reference run on random inputs, or as a
+  one-line ask. Written for this project: tasks that HumanEval also poses (primes, Fibonacci,
+  palindromes, vowels, letter shifts, ...) are left out, and a test checks that no prompt holds a
+  HumanEval passage or function name.
 - `mathgen`: grade-school word problems from a seeded generator (a few dozen templates, random
   names, objects and numbers), asking for step-by-step reasoning — the shape GSM8K asks for.
 - a path to a local JSONL file whose lines hold `turns` (a list of user turns; the first is
@@ -226,6 +232,179 @@ def _pycode_variants(asks, shift: int) -> Iterator[str]:
     yield from _stdlib_prompts(_PACKAGE_MODULES, seen, trim=True, asks=asks, shift=shift)
 
 
+# Small algorithmic exercises for `pyexercises`: (names, parameters, docstring, reference, inputs).
+# The docstring's {k} is a per-prompt constant; the examples are the reference run on seeded inputs.
+def _exercises():
+    def ints(rng, lo=-20, hi=50, n=(0, 8)):
+        return [rng.randint(lo, hi) for _ in range(rng.randint(*n))]
+
+    def words(rng, n=(1, 6)):
+        pool = ("apple banana cherry dog eagle fig grape house ice jam kite lemon moon night ocean pear queen "
+                "river sun tree umbrella violet water xray yak zebra level noon stats radar hello world").split()
+        return [rng.choice(pool) for _ in range(rng.randint(*n))]
+
+    def text(rng):
+        return " ".join(words(rng, (2, 6)))
+
+    return (
+        (("filter_greater", "values_above", "keep_large"), "numbers: list[int]", "list[int]",
+         "Return the numbers in the list that are greater than {k}, in their original order.",
+         lambda xs, k: [x for x in xs if x > k], lambda r: (ints(r),)),
+        (("count_multiples", "num_divisible"), "numbers: list[int]", "int",
+         "Count how many numbers in the list are divisible by {k}.",
+         lambda xs, k: sum(1 for x in xs if x % k == 0), lambda r: (ints(r),)),
+        (("sum_of_evens", "even_total"), "numbers: list[int]", "int",
+         "Return the sum of the even numbers in the list. An empty list gives 0.",
+         lambda xs, k: sum(x for x in xs if x % 2 == 0), lambda r: (ints(r),)),
+        (("product_of_odds", "odd_product"), "numbers: list[int]", "int",
+         "Return the product of the odd numbers in the list, or 1 if there are none.",
+         lambda xs, k: __import__("math").prod(x for x in xs if x % 2), lambda r: (ints(r, -5, 9, (0, 5)),)),
+        (("rotate_left", "shift_items"), "items: list", "list",
+         "Rotate the list left by {k} positions: the first {k} items move to the end. Works for any length.",
+         lambda xs, k: xs[k % len(xs):] + xs[:k % len(xs)] if xs else [], lambda r: (ints(r, 0, 9),)),
+        (("chunk_list", "split_into_groups"), "items: list", "list[list]",
+         "Split the list into consecutive groups of {k} items; the last group may be shorter.",
+         lambda xs, k: [xs[i:i + k] for i in range(0, len(xs), k)], lambda r: (ints(r, 0, 9),)),
+        (("capitalize_words", "title_words"), "sentence: str", "str",
+         "Return the sentence with the first letter of every word in upper case.",
+         lambda s, k: " ".join(w[:1].upper() + w[1:] for w in s.split(" ")), lambda r: (text(r),)),
+        (("longest_word", "find_longest"), "sentence: str", "str",
+         "Return the longest word in the sentence; if several are equally long, the first of them.",
+         lambda s, k: max(s.split(), key=len), lambda r: (text(r),)),
+        (("digit_sum", "sum_digits"), "n: int", "int",
+         "Return the sum of the decimal digits of n. Negative numbers use their absolute value.",
+         lambda n, k: sum(int(d) for d in str(abs(n))), lambda r: (r.randint(-9999, 99999),)),
+        (("reverse_digits", "flip_number"), "n: int", "int",
+         "Return the non-negative integer n with its decimal digits in reverse order.",
+         lambda n, k: int(str(n)[::-1]), lambda r: (r.randint(0, 99999),)),
+        (("running_total", "cumulative_sum"), "numbers: list[int]", "list[int]",
+         "Return the running totals of the list: element i is the sum of the first i + 1 numbers.",
+         lambda xs, k: [sum(xs[:i + 1]) for i in range(len(xs))], lambda r: (ints(r),)),
+        (("count_words", "word_frequencies"), "text: str", "dict[str, int]",
+         "Return a dictionary mapping each word of the text (split on whitespace) to how often it occurs.",
+         lambda s, k: dict(__import__("collections").Counter(s.split())), lambda r: (text(r),)),
+        (("max_difference", "largest_gap"), "numbers: list[int]", "int",
+         "Return the largest value of numbers[j] - numbers[i] with i < j, or 0 if the list has fewer "
+         "than two elements.",
+         lambda xs, k: max((xs[j] - xs[i] for i in range(len(xs)) for j in range(i + 1, len(xs))), default=0),
+         lambda r: (ints(r),)),
+        (("count_char", "occurrences"), "s: str, ch: str", "int",
+         "Return how many times the character ch occurs in s.",
+         lambda s, c, k: s.count(c), lambda r: (text(r), r.choice("aeinorst"))),
+        (("merge_sorted", "combine_sorted"), "a: list[int], b: list[int]", "list[int]",
+         "Merge two sorted lists into one sorted list without calling sort().",
+         lambda a, b, k: sorted(a + b), lambda r: (sorted(ints(r, 0, 30, (0, 5))), sorted(ints(r, 0, 30, (0, 5))))),
+        (("clamp_values", "bound_list"), "numbers: list[int]", "list[int]",
+         "Clamp every number to the range [0, {k}]: values below 0 become 0, values above {k} become {k}.",
+         lambda xs, k: [min(max(x, 0), k) for x in xs], lambda r: (ints(r),)),
+        (("flatten", "flatten_once"), "nested: list[list]", "list",
+         "Flatten a list of lists by one level.",
+         lambda xs, k: [y for x in xs for y in x],
+         lambda r: ([ints(r, 0, 9, (0, 3)) for _ in range(r.randint(0, 4))],)),
+        (("acronym", "initials"), "phrase: str", "str",
+         "Return the upper-case first letters of the words in the phrase, joined together.",
+         lambda s, k: "".join(w[0].upper() for w in s.split()), lambda r: (text(r),)),
+        (("count_above_average", "above_mean"), "numbers: list[float]", "int",
+         "Return how many numbers are strictly greater than the average of the list (0 for an empty list).",
+         lambda xs, k: sum(x > sum(xs) / len(xs) for x in xs) if xs else 0, lambda r: (ints(r),)),
+        (("compress_string", "run_length_encode"), "s: str", "str",
+         "Run-length encode the string: each run of a repeated character becomes the character followed "
+         "by the run's length.",
+         lambda s, k: "".join(c + str(len(list(g))) for c, g in __import__("itertools").groupby(s)),
+         lambda r: ("".join(r.choice("aab") * r.randint(1, 3) for _ in range(r.randint(1, 5))),)),
+        (("nth_largest", "kth_biggest"), "numbers: list[int]", "int",
+         "Return the {k}-th largest element of the list (counting duplicates); the list has at least {k} elements.",
+         lambda xs, k: sorted(xs, reverse=True)[k - 1], lambda r: (ints(r, 0, 40, (5, 9)),)),
+        (("string_to_ints", "parse_numbers"), "text: str", "list[int]",
+         "Return the integers found in a comma-separated string, skipping empty fields and surrounding spaces.",
+         lambda s, k: [int(t) for t in s.split(",") if t.strip()],
+         lambda r: (", ".join(str(x) for x in ints(r, 0, 99)),)),
+        (("leap_years", "count_leap_years"), "start: int, end: int", "int",
+         "Return how many leap years there are from start to end inclusive.",
+         lambda a, b, k: sum(1 for y in range(a, b + 1) if y % 4 == 0 and (y % 100 or y % 400 == 0)),
+         lambda r: ((a := r.randint(1890, 2010)), a + r.randint(0, 120))),
+        (("window_sums", "moving_sum"), "numbers: list[int]", "list[int]",
+         "Return the sums of every window of {k} consecutive numbers, from left to right.",
+         lambda xs, k: [sum(xs[i:i + k]) for i in range(len(xs) - k + 1)], lambda r: (ints(r, 0, 9, (3, 8)),)),
+        (("matrix_transpose", "transpose"), "matrix: list[list[int]]", "list[list[int]]",
+         "Return the transpose of a rectangular matrix given as a list of rows.",
+         lambda m, k: [list(c) for c in zip(*m)],
+         lambda r: ((lambda c: [ints(r, 0, 9, (c, c)) for _ in range(r.randint(1, 3))])(r.randint(1, 3)),)),
+        (("strip_punctuation", "remove_symbols"), "text: str", "str",
+         "Return the text with every character that is not a letter, a digit or a space removed.",
+         lambda s, k: "".join(c for c in s if c.isalnum() or c == " "),
+         lambda r: (" ".join(w + r.choice(("", "!", ",", "?", ".")) for w in words(r)),)),
+        (("invert_mapping", "swap_keys_values"), "mapping: dict", "dict",
+         "Return a new dictionary whose keys are the values of mapping and whose values are its keys; "
+         "for repeated values the last key wins.",
+         lambda d, k: {v: key for key, v in d.items()},
+         lambda r: ({w: r.randint(0, 4) for w in words(r)},)),
+        (("snake_to_camel", "camel_case"), "name: str", "str",
+         "Convert a snake_case identifier to camelCase: drop the underscores and upper-case the letter "
+         "after each one.",
+         lambda s, k: (p := s.split("_"))[0] + "".join(w.capitalize() for w in p[1:]),
+         lambda r: ("_".join(words(r, (1, 4))),)),
+        (("format_duration", "seconds_to_clock"), "seconds: int", "str",
+         "Format a number of seconds as H:MM:SS, hours unpadded.",
+         lambda n, k: f"{n // 3600}:{n % 3600 // 60:02d}:{n % 60:02d}", lambda r: (r.randint(0, 40000),)),
+        (("mask_secret", "hide_prefix"), "secret: str", "str",
+         "Replace every character of the string except the last {k} with '*'.",
+         lambda s, k: "*" * max(len(s) - k, 0) + s[-k:], lambda r: (str(r.randint(10 ** 5, 10 ** 12)),)),
+        (("interleave", "zip_alternate"), "a: list, b: list", "list",
+         "Return a[0], b[0], a[1], b[1], ...; when one list runs out, the rest of the other follows.",
+         lambda a, b, k: [x for p in __import__("itertools").zip_longest(a, b, fillvalue=None) for x in p
+                          if x is not None], lambda r: (ints(r, 0, 9, (0, 4)), ints(r, 10, 19, (0, 4)))),
+        (("group_by_length", "bucket_words"), "words: list[str]", "dict[int, list[str]]",
+         "Group the words by their length: return a dictionary from each length to the words of that "
+         "length, in their original order.",
+         lambda ws, k: {n: [w for w in ws if len(w) == n] for n in dict.fromkeys(len(w) for w in ws)},
+         lambda r: (words(r),)),
+        (("first_negative_index", "index_of_negative"), "numbers: list[int]", "int",
+         "Return the index of the first negative number in the list, or -1 if there is none.",
+         lambda xs, k: next((i for i, x in enumerate(xs) if x < 0), -1), lambda r: (ints(r, -5, 30),)),
+        (("pad_left", "right_align"), "items: list[str]", "list[str]",
+         "Return each string right-aligned in a field as wide as the longest string, padded with spaces.",
+         lambda ws, k: [w.rjust(max(map(len, ws))) for w in ws], lambda r: (words(r),)),
+        (("every_kth", "take_every"), "items: list", "list",
+         "Return every {k}-th item of the list, starting with the first.",
+         lambda xs, k: xs[::k], lambda r: (ints(r, 0, 9, (0, 10)),)),
+        (("count_runs", "number_of_streaks"), "bits: list[int]", "int",
+         "Return the number of maximal runs of consecutive equal values in the list.",
+         lambda xs, k: sum(1 for i, x in enumerate(xs) if i == 0 or xs[i - 1] != x),
+         lambda r: (ints(r, 0, 1, (0, 10)),)),
+    )
+
+
+def _pyexercises(n: int = 6000, seed: int = 0) -> Iterator[str]:
+    import random
+
+    rng = random.Random(seed)
+    ex = _exercises()
+    seen: set = set()
+    for i in range(n):
+        names, params, ret, doc, ref, gen = ex[i % len(ex)]
+        k = rng.randint(2, 5)
+        name = rng.choice(names)
+        examples = []
+        for _ in range(rng.choice((0, 1, 2, 3))):
+            args = gen(rng)
+            try:
+                out = ref(*args, k)
+            except (ValueError, ZeroDivisionError, IndexError):
+                continue
+            examples.append(f"    >>> {name}({', '.join(map(repr, args))})\n    {out!r}")
+        body = doc.format(k=k)
+        doc_examples = "\n".join(examples) + ("\n" if examples else "")
+        text = f'def {name}({params}) -> {ret}:\n    """{body}\n' + doc_examples + '    """\n'
+        if rng.random() < 0.25:  # the plain-English ask
+            prompt = f"Write a Python function `{name}({params})` that does the following. {body}"
+        else:
+            prompt = _CODE_ASKS[rng.randrange(len(_CODE_ASKS))].format(code=text.rstrip())
+        if prompt not in seen:  # a stub without examples recurs; each prompt is given once
+            seen.add(prompt)
+            yield prompt
+
+
 def _mathgen(n: int = 4000, seed: int = 0) -> Iterator[str]:
     import random
 
@@ -297,7 +476,7 @@ def _jsonl(path: str) -> Iterator[list[dict]]:
 
 def iter_prompts(source: str) -> Iterator[list[dict]]:
     """Chat prompts from a named source ('sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more',
-    'pypackages', 'pytests', 'pycode-alt', 'mathgen') or a local JSONL path."""
+    'pypackages', 'pytests', 'pycode-alt', 'pyexercises', 'mathgen') or a local JSONL path."""
     if source == "sharegpt":
         yield from ([{"role": "user", "content": t}] for t in _sharegpt())
     elif source == "humaneval":
@@ -312,12 +491,14 @@ def iter_prompts(source: str) -> Iterator[list[dict]]:
         yield from ([{"role": "user", "content": t}] for t in _pycode_variants(_CODE_ASKS, 2))
     elif source == "mathgen":
         yield from ([{"role": "user", "content": t}] for t in _mathgen())
+    elif source == "pyexercises":
+        yield from ([{"role": "user", "content": t}] for t in _pyexercises())
     elif os.path.isfile(source):
         yield from _jsonl(source)
     else:
         raise FileNotFoundError(
             f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more', "
-            "'pypackages', 'pytests', 'pycode-alt', 'mathgen' or the path of a JSONL file"
+            "'pypackages', 'pytests', 'pycode-alt', 'pyexercises', 'mathgen' or the path of a JSONL file"
         )
 
 

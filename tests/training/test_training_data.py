@@ -3,6 +3,7 @@ draft vocabulary, and resumable regeneration on a tiny target."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -53,7 +54,8 @@ def _norm(text):
 
 
 @pytest.mark.parametrize("source,at_least", [("pystdlib", 1000), ("pystdlib-more", 700), ("pypackages", 600),
-                                             ("pytests", 2300), ("pycode-alt", 2300), ("mathgen", 1000),
+                                             ("pytests", 2300), ("pycode-alt", 2300), ("pyexercises", 3500),
+                                             ("mathgen", 1000),
                                              ("sharegpt", 1000)])
 def test_training_sources_hold_no_evaluation_prompt(source, at_least):
     """The drafter is evaluated on benchmarks/data (GSM8K test, HumanEval, MT-Bench): no
@@ -126,6 +128,22 @@ def test_generated_sources_are_stable_and_varied():
     assert len(tests) == len(alt) == len(code) + len(more) + len(pkgs)
     assert len(set(tests)) == len(tests) and all("unit tests" in c and "def " in c for c in tests)
     assert len(set(alt)) == len(alt) and not (set(code) | set(more) | set(pkgs)) & (set(alt) | set(tests))
+
+
+def test_exercises_are_varied_and_pose_no_humaneval_task_by_name():
+    ex = [p[0]["content"] for p in iter_prompts("pyexercises")]
+    assert ex == [p[0]["content"] for p in iter_prompts("pyexercises")]
+    assert len(set(ex)) == len(ex) >= 3500
+    names = {m for e in ex for m in re.findall(r"(?:def |`)(\w+)\(", e)}
+    assert len(names) >= 60
+    he = {re.findall(r"def (\w+)\(", e)[-1] for e in _eval_prompts() if "def " in e}
+    assert len(he) >= 150 and not names & he, sorted(names & he)
+    # The docstring examples are the stated task's answers: e.g. rotation by the prompt's constant.
+    rot = next(e for e in ex if "def rotate_left(" in e and ">>> rotate_left([0" in e)
+    k = int(re.search(r"left by (\d+) positions", rot).group(1))
+    call, out = re.search(r">>> rotate_left\((\[0.*?\])\)\n\s+(.*)\n", rot).groups()
+    xs = eval(call)
+    assert eval(out) == xs[k % len(xs):] + xs[:k % len(xs)]
 
 
 def test_source_spec_samples_a_source(tmp_path):
