@@ -235,6 +235,10 @@ def _pycode_variants(asks, shift: int) -> Iterator[str]:
 # Small algorithmic exercises for `pyexercises`: (names, parameters, docstring, reference, inputs).
 # The docstring's {k} is a per-prompt constant; the examples are the reference run on seeded inputs.
 def _exercises():
+    import collections
+    import itertools
+    import math
+
     def ints(rng, lo=-20, hi=50, n=(0, 8)):
         return [rng.randint(lo, hi) for _ in range(rng.randint(*n))]
 
@@ -258,7 +262,7 @@ def _exercises():
          lambda xs, k: sum(x for x in xs if x % 2 == 0), lambda r: (ints(r),)),
         (("product_of_odds", "odd_product"), "numbers: list[int]", "int",
          "Return the product of the odd numbers in the list, or 1 if there are none.",
-         lambda xs, k: __import__("math").prod(x for x in xs if x % 2), lambda r: (ints(r, -5, 9, (0, 5)),)),
+         lambda xs, k: math.prod(x for x in xs if x % 2), lambda r: (ints(r, -5, 9, (0, 5)),)),
         (("rotate_left", "shift_items"), "items: list", "list",
          "Rotate the list left by {k} positions: the first {k} items move to the end. Works for any length.",
          lambda xs, k: xs[k % len(xs):] + xs[:k % len(xs)] if xs else [], lambda r: (ints(r, 0, 9),)),
@@ -282,7 +286,7 @@ def _exercises():
          lambda xs, k: [sum(xs[:i + 1]) for i in range(len(xs))], lambda r: (ints(r),)),
         (("count_words", "word_frequencies"), "text: str", "dict[str, int]",
          "Return a dictionary mapping each word of the text (split on whitespace) to how often it occurs.",
-         lambda s, k: dict(__import__("collections").Counter(s.split())), lambda r: (text(r),)),
+         lambda s, k: dict(collections.Counter(s.split())), lambda r: (text(r),)),
         (("max_difference", "largest_gap"), "numbers: list[int]", "int",
          "Return the largest value of numbers[j] - numbers[i] with i < j, or 0 if the list has fewer "
          "than two elements.",
@@ -310,7 +314,7 @@ def _exercises():
         (("compress_string", "run_length_encode"), "s: str", "str",
          "Run-length encode the string: each run of a repeated character becomes the character followed "
          "by the run's length.",
-         lambda s, k: "".join(c + str(len(list(g))) for c, g in __import__("itertools").groupby(s)),
+         lambda s, k: "".join(c + str(len(list(g))) for c, g in itertools.groupby(s)),
          lambda r: ("".join(r.choice("aab") * r.randint(1, 3) for _ in range(r.randint(1, 5))),)),
         (("nth_largest", "kth_biggest"), "numbers: list[int]", "int",
          "Return the {k}-th largest element of the list (counting duplicates); the list has at least {k} elements.",
@@ -352,7 +356,7 @@ def _exercises():
          lambda s, k: "*" * max(len(s) - k, 0) + s[-k:], lambda r: (str(r.randint(10 ** 5, 10 ** 12)),)),
         (("interleave", "zip_alternate"), "a: list, b: list", "list",
          "Return a[0], b[0], a[1], b[1], ...; when one list runs out, the rest of the other follows.",
-         lambda a, b, k: [x for p in __import__("itertools").zip_longest(a, b, fillvalue=None) for x in p
+         lambda a, b, k: [x for p in itertools.zip_longest(a, b, fillvalue=None) for x in p
                           if x is not None], lambda r: (ints(r, 0, 9, (0, 4)), ints(r, 10, 19, (0, 4)))),
         (("group_by_length", "bucket_words"), "words: list[str]", "dict[int, list[str]]",
          "Group the words by their length: return a dictionary from each length to the words of that "
