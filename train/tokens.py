@@ -3,6 +3,8 @@
     python -m train.tokens pack WORKDIR FILE.npz     # data/train + data/heldout → FILE.npz
     python -m train.tokens unpack FILE.npz [MORE.npz ...] WORKDIR
                                                      # → WORKDIR/data/{train,heldout} + token counts
+    python -m train.tokens unpack NEW.npz OLD.npz@800 WORKDIR
+                                                     # OLD's train sequences: 800, evenly spaced
 
 Regeneration is the slow part of the data stage (the target answers every prompt); what it
 produces is ~2 bytes a token. Packing lets a run on another machine, or a later session,
@@ -35,7 +37,8 @@ def main(argv=None) -> int:
     u = sub.add_parser("unpack", help="packed .npz files → WORKDIR's data shards and token counts")
     u.add_argument("paths", nargs="+", metavar="FILE.npz ... WORKDIR",
                    help="one or more archives, then the workdir; the shards of the second and later "
-                        "archives are named after the archive (ARCHIVE-shard-…)")
+                        "archives are named after the archive (ARCHIVE-shard-…); ARCHIVE.npz@N keeps N of "
+                        "its train sequences, evenly spaced (a replay sample of older data)")
     u.add_argument("--vocab-size", type=int, default=0,
                    help="the target's vocabulary size for data/token_counts.npy (default: the one stored by pack)")
     a = ap.parse_args(argv)
@@ -50,7 +53,14 @@ def main(argv=None) -> int:
         else:
             if len(a.paths) < 2:
                 ap.error("unpack needs at least one archive and the workdir")
-            files, workdir = a.paths[:-1], a.paths[-1]
+            workdir = a.paths[-1]
+            files, samples = [], []
+            for spec in a.paths[:-1]:
+                f, at, n = spec.rpartition("@") if "@" in spec else (spec, "", "0")
+                if at and not (n.isdigit() and int(n) > 0):
+                    raise ValueError(f"{spec!r}: after '@' give the number of train sequences to keep (> 0)")
+                files.append(f)
+                samples.append(int(n))
             for f in files:
                 if not os.path.isfile(f):
                     raise FileNotFoundError(f"no packed data at {f!r}")
@@ -59,7 +69,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"archives with the same name would share shard names: {files}")
             stored = []
             for i, f in enumerate(files):
-                got = records.unpack(f, _dirs(workdir), prefix="" if i == 0 else stems[i] + "-")
+                got = records.unpack(f, _dirs(workdir), prefix="" if i == 0 else stems[i] + "-", sample=samples[i])
                 stored.append(got["vocab_size"] or int(np.load(f)["tokens"].max()) + 1)
                 print(f"unpacked {got['sequences']} sequences of {f} ({got['shards_written']} shards written)",
                       file=sys.stderr)

@@ -132,27 +132,49 @@ def read_archive(path: str):
         yield str(splits[i]), t[: plen[i]], t[plen[i]:]
 
 
-def unpack(path: str, directories: dict[str, str], prefix: str = "") -> dict:
+def unpack(path: str, directories: dict[str, str], prefix: str = "", sample: int = 0,
+           shard_size: int = 64) -> dict:
     """Recreates the shards `pack` stored, into `{split: directory}`; existing shards are kept
     (so unpacking into a workdir that holds some of them resumes). `prefix` is put before
     every shard name: archives packed from different workdirs share names
-    (`shard-00000.array_record`), and a second one unpacked without it would be skipped."""
+    (`shard-00000.array_record`), and a second one unpacked without it would be skipped.
+
+    `sample` > 0 keeps only that many of the archive's train sequences, evenly spaced over its
+    stored order (sequence ⌊i·n/sample⌋ for i < sample: deterministic, and spread over every
+    source a regeneration run answered in turn) — a replay slice of older data to mix into a
+    new phase; they are written as `{prefix}sample{N}-shard-…` shards of `shard_size`, and the
+    held-out sequences are kept whole."""
     z, tokens, starts, plen = _load_archive(path)
     lens = np.diff(starts)
-    seq, written = 0, 0
+
+    def record(i):
+        return encode(tokens[starts[i]:starts[i + 1]],
+                      np.r_[np.zeros(plen[i], np.int32), np.ones(lens[i] - plen[i], np.int32)])
+
+    groups, seq = [], 0  # (split, shard name, sequence indices)
     for name, size, split in zip(z["shard_names"], z["shard_sizes"], z["splits"]):
-        split = str(split)
+        groups.append((str(split), str(name), list(range(seq, seq + int(size)))))
+        seq += int(size)
+    if sample < 0:
+        raise ValueError(f"sample must be >= 0, got {sample}")
+    if sample:
+        train = [i for split, _, rows in groups if split == "train" for i in rows]
+        if sample > len(train):
+            raise ValueError(f"{path} holds {len(train)} train sequences; cannot sample {sample}")
+        picked = [train[(i * len(train)) // sample] for i in range(sample)]
+        groups = [g for g in groups if g[0] != "train"] + [
+            ("train", f"sample{sample}-shard-{k // shard_size:05d}.array_record", picked[k:k + shard_size])
+            for k in range(0, sample, shard_size)]
+    written, kept = 0, 0
+    for split, name, rows in groups:
         if split not in directories:
             raise ValueError(f"{path} holds split {split!r}; give a directory for it (have {sorted(directories)})")
-        out = os.path.join(directories[split], prefix + str(name))
-        rows = range(seq, seq + int(size))
-        seq += int(size)
+        kept += len(rows)
+        out = os.path.join(directories[split], prefix + name)
         if os.path.exists(out):
             continue
         os.makedirs(directories[split], exist_ok=True)
-        write_shard(out, [encode(tokens[starts[i]:starts[i + 1]],
-                                 np.r_[np.zeros(plen[i], np.int32), np.ones(lens[i] - plen[i], np.int32)])
-                          for i in rows])
+        write_shard(out, [record(i) for i in rows])
         written += 1
-    return {"sequences": int(lens.size), "shards_written": written,
+    return {"sequences": kept, "shards_written": written,
             "vocab_size": int(z["vocab_size"]) if "vocab_size" in z else 0}

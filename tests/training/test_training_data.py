@@ -281,3 +281,34 @@ def test_unpacking_two_archives_keeps_both(tmp_path):
     assert len(records.read_all(str(out / "data" / "train"))) == 5
     assert np.load(out / "data" / "token_counts.npy").sum() == 5 * 4
     assert tokens.main(["unpack", archives[0], archives[0], str(out)]) == 2  # same name twice: refused
+
+
+def test_unpack_samples_an_archive_evenly_for_replay(tmp_path):
+    """`ARCHIVE.npz@N` keeps N of the archive's train sequences, spread evenly over its stored order
+    (a replay slice of older data), in shards of its own name; held-out sequences stay whole."""
+    import numpy as np
+
+    from train import tokens
+
+    src = {"train": str(tmp_path / "w" / "train"), "heldout": str(tmp_path / "w" / "heldout")}
+    for split, n in (("train", 10), ("heldout", 2)):
+        os.makedirs(src[split])
+        for k in range(0, n, 4):  # shards of 4: sequence j is [j, j, j + 100] (prompt j, j; answer j + 100)
+            recs = [records.encode([j, j, j + 100], [0, 0, 1]) for j in range(k, min(k + 4, n))]
+            records.write_shard(os.path.join(src[split], f"shard-{k // 4:05d}.array_record"), recs)
+    old = str(tmp_path / "old.npz")
+    records.pack(src, old, vocab_size=200)
+    out = tmp_path / "mix"
+    assert tokens.main(["unpack", old, f"{old}@4", str(out)]) == 2  # same archive twice: refused
+    new = str(tmp_path / "new.npz")
+    records.pack({"train": src["train"]}, new, vocab_size=200)
+    assert tokens.main(["unpack", new, f"{old}@4", str(out)]) == 0
+    train = records.read_all(str(out / "data" / "train"))
+    sampled = [int(t[0]) for t, _ in train]
+    assert sorted(sampled) == sorted(list(range(10)) + [0, 2, 5, 7])  # ⌊i·10/4⌋
+    assert "old-sample4-shard-00000.array_record" in [os.path.basename(p) for p in
+                                                        records.shard_paths(str(out / "data" / "train"))]
+    assert len(records.read_all(str(out / "data" / "heldout"))) == 2
+    assert np.load(out / "data" / "token_counts.npy")[[100, 102, 105, 107]].tolist() == [2, 2, 2, 2]
+    for bad in (f"{old}@0", f"{old}@x", f"{old}@11"):
+        assert tokens.main(["unpack", new, bad, str(tmp_path / "bad")]) == 2
