@@ -20,7 +20,10 @@ throughput (the HTTP overhead), and the
 XLA compiles that happened while timing (0 when the warm-up covered everything; the server's
 default warm-up compiles the first attention window only, so keep prompts + new tokens under
 256 tokens — `--max-prompt-chars 600` — or expect compile stalls in the first run).
-`--repeats` rounds alternate the order of library and HTTP; the machine's load is recorded
+All configurations of a concurrency are built and warmed up first (their engines and servers
+held at once); then `--repeats` rounds run them interleaved, each round starting one
+configuration further along and alternating the order of library and HTTP, so the
+configurations share any drift in the machine's speed. The machine's load is recorded
 before and after. JSON (`--json`) and a PNG of throughput against concurrency (`--png`).
 
     python -m benchmarks.bench_serving [--concurrency 1,8,32] [--configs ar,dspark,ngram,hybrid]
@@ -239,35 +242,39 @@ def main(argv=None):
     rows = []
     for C in concs:
         prompts = heldout_prompts(args.prompts_per_slot * C, args.max_prompt_chars, seed=0)
-        for name in names:
-            sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup, args.weight_dtype,
-                                args.fine_windows, args.weight_terms)
-            engine = make_engine(server_parser().parse_args(sargs), target, load_drafter(CONFIGS[name], target))
-            warmup(engine, target, full=args.warmup == "full")
-            cell = {"library": [], "http": []}
-            port = None
-            proc = None
-            if not args.no_http:
-                port = free_port()
-                proc = start_server(sargs, port, os.path.join(args.logdir, f"server_{name}_{C}.log"))
-            try:
-                for r in range(args.repeats):
-                    order = ["library", "http"] if r % 2 == 0 else ["http", "library"]
-                    for mode in order:
+        engines, procs, ports = {}, {}, {}
+        cells = {name: {"library": [], "http": []} for name in names}
+        try:
+            for name in names:
+                sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup, args.weight_dtype,
+                                    args.fine_windows, args.weight_terms)
+                engines[name] = make_engine(server_parser().parse_args(sargs), target,
+                                            load_drafter(CONFIGS[name], target))
+                warmup(engines[name], target, full=args.warmup == "full")
+                if not args.no_http:
+                    ports[name] = free_port()
+                    procs[name] = start_server(sargs, ports[name], os.path.join(args.logdir, f"server_{name}_{C}.log"))
+            # Rounds interleave the configurations, each round starting one further along, so a
+            # drift in the machine's speed lands on all of them rather than on whichever ran last.
+            for r in range(args.repeats):
+                k = r % len(names)
+                for name in names[k:] + names[:k]:
+                    for mode in (["library", "http"] if r % 2 == 0 else ["http", "library"]):
                         if mode == "library":
-                            cell["library"].append(run_library(engine, prompts, args.max_tokens, C))
-                        elif proc is not None:
-                            cell["http"].append(run_http(port, prompts, args.max_tokens, C))
-            finally:
-                if proc is not None:
-                    stop_server(proc)
-            del engine
-            # Each cell compiles its own engine's programs; dropping them keeps the process's
-            # memory maps bounded (XLA:CPU maps ~130-280 code/data pages per program, and a run of
-            # many cells crossed Linux's default 65,530 maps: "LLVM compilation error: Cannot
-            # allocate memory", then a segfault).
-            jax.clear_caches()
-            results[f"{name}@{C}"] = cell
+                            cells[name]["library"].append(run_library(engines[name], prompts, args.max_tokens, C))
+                        elif name in procs:
+                            cells[name]["http"].append(run_http(ports[name], prompts, args.max_tokens, C))
+        finally:
+            for proc in procs.values():
+                stop_server(proc)
+        engines.clear()
+        # Each concurrency compiles its own engines' programs; dropping them keeps the process's
+        # memory maps bounded (XLA:CPU maps ~130-280 code/data pages per program, and a run of
+        # many cells crossed Linux's default 65,530 maps: "LLVM compilation error: Cannot
+        # allocate memory", then a segfault).
+        jax.clear_caches()
+        for name in names:
+            cell = results[f"{name}@{C}"] = cells[name]
             for mode in ("library", "http"):
                 reps = cell[mode]
                 if not reps:
@@ -285,7 +292,7 @@ def main(argv=None):
                              ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),
                              tau, drafted, paid, yielded, fails,
                              " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
-            print(table(HEADERS, rows[-2:]), flush=True)
+            print(table(HEADERS, [r for r in rows if r[0] == C and r[1] == name]), flush=True)
             for kind in ("drafter", "lookup"):
                 cal = [x[f"calibration_{kind}"] for x in cell["library"] if f"calibration_{kind}" in x]
                 if cal and sum(c["budget_exp"] for c in cal) > 0:
