@@ -275,6 +275,7 @@ def main(argv=None):
         jax.clear_caches()
         for name in names:
             cell = results[f"{name}@{C}"] = cells[name]
+            first = len(rows)
             for mode in ("library", "http"):
                 reps = cell[mode]
                 if not reps:
@@ -292,7 +293,7 @@ def main(argv=None):
                              ratio, fmt_lat(last["ttft_ms"]), fmt_lat(last["tpot_ms"]), fmt_lat(last["itl_ms"]),
                              tau, drafted, paid, yielded, fails,
                              " / ".join(f"{x['server_compiles']:.0f}" for x in reps)])
-            print(table(HEADERS, [r for r in rows if r[0] == C and r[1] == name]), flush=True)
+            print(table(HEADERS, rows[first:]), flush=True)
             for kind in ("drafter", "lookup"):
                 cal = [x[f"calibration_{kind}"] for x in cell["library"] if f"calibration_{kind}" in x]
                 if cal and sum(c["budget_exp"] for c in cal) > 0:

@@ -144,6 +144,8 @@ def unpack(path: str, directories: dict[str, str], prefix: str = "", sample: int
     source a regeneration run answered in turn) — a replay slice of older data to mix into a
     new phase; they are written as `{prefix}sample{N}-shard-…` shards of `shard_size`, and the
     held-out sequences are kept whole."""
+    if sample < 0:
+        raise ValueError(f"sample must be >= 0, got {sample}")
     z, tokens, starts, plen = _load_archive(path)
     lens = np.diff(starts)
 
@@ -155,8 +157,6 @@ def unpack(path: str, directories: dict[str, str], prefix: str = "", sample: int
     for name, size, split in zip(z["shard_names"], z["shard_sizes"], z["splits"]):
         groups.append((str(split), str(name), list(range(seq, seq + int(size)))))
         seq += int(size)
-    if sample < 0:
-        raise ValueError(f"sample must be >= 0, got {sample}")
     if sample:
         train = [i for split, _, rows in groups if split == "train" for i in rows]
         if sample > len(train):
