@@ -15,7 +15,7 @@ class TrainConfig:
     # Target and data.
     target: str = "smollm2-135m"  # embedded name, HF directory or .gguf path; "tiny-random" for tests
     # Named sources (prompts.iter_prompts: sharegpt, pystdlib, pystdlib-more, pypackages, pytests,
-    # pycode-alt, pyexercises, mathgen, humaneval) or JSONL paths; "name@N" takes a seeded sample of N
+    # pycode-alt, pyexercises, mathgen, chatgen, humaneval) or JSONL paths; "name@N" takes a seeded sample of N
     # prompts of that source, "name@A:B" items A..B-1 of the same seeded order (disjoint from "name@A"
     # under the same seed).
     prompt_sources: tuple[str, ...] = ("sharegpt",)

@@ -25,6 +25,11 @@ answers it with its chat template (on-policy data, see `regenerate.py`). Sources
   HumanEval passage or function name.
 - `mathgen`: grade-school word problems from a seeded generator (a few dozen templates, random
   names, objects and numbers), asking for step-by-step reasoning — the shape GSM8K asks for.
+- `chatgen`: open-ended requests from a seeded generator — write a blog post, story, poem, speech,
+  email ... about one of fifty topics, for an audience, in a style; act as a character or a
+  professional and answer in role; explain an everyday science or economics concept — the shapes
+  MT-Bench's writing, role-play and explanation questions take, none of their topics (a test
+  checks that no prompt holds an MT-Bench passage).
 - a path to a local JSONL file whose lines hold `turns` (a list of user turns; the first is
   used) or `messages` (chat messages up to the first assistant turn).
 
@@ -455,6 +460,117 @@ def _mathgen(n: int = 4000, seed: int = 0) -> Iterator[str]:
         yield q + rng.choice(asks).format()
 
 
+# Open-ended requests for `chatgen`: writing, role-play and explanation, built from parts.
+_CHAT_TOPICS = (
+    "learning to play the cello as an adult", "a rainy weekend in Lisbon", "urban beekeeping", "the history of the "
+    "bicycle", "a lighthouse keeper's last night on the job", "starting a vegetable garden on a balcony",
+    "the first week at a new job", "a night market in Taipei", "restoring an old wooden boat", "winter camping",
+    "a small bakery that opens at 4 a.m.", "learning a third language", "a robot that wants to become a chef",
+    "the hidden costs of fast fashion", "a family reunion that goes wrong", "training for a first half marathon",
+    "the life of a street musician", "a library that lends tools", "moving to a small town", "saving for retirement "
+    "in your twenties", "a volunteer day at an animal shelter", "an astronaut's first morning in orbit",
+    "the joys of slow cooking", "a bookshop on a canal boat", "a forgotten letter found in an attic",
+    "how to host a board-game night", "cycling across the Netherlands", "a chess tournament for retirees",
+    "the science of a good night's sleep", "a city without cars", "a tea plantation in Sri Lanka",
+    "the first snowfall of the year", "building a treehouse with your kids", "a detective who is afraid of the dark",
+    "a museum at midnight", "a community choir", "learning to bake sourdough bread", "the ethics of zoos",
+    "a road trip along the Pacific coast", "the day the internet went down", "an old clockmaker's apprentice",
+    "the benefits of walking meetings", "a haunted train station", "a hiking trip in the Scottish Highlands",
+    "composting in an apartment", "a dragon who collects teacups", "a local farmers' market",
+    "a teenager's first summer job", "reading fifty books in a year", "a lost dog finding its way home",
+)
+_CHAT_FORMS = (
+    "blog post", "short story", "poem", "persuasive essay", "speech", "newsletter introduction", "diary entry",
+    "news article", "review", "list of practical tips", "dialogue between two friends", "limerick",
+    "motivational message", "social media post", "opening paragraph of a novel", "product description",
+    "letter to the editor", "travel guide entry", "fable with a moral", "song verse and chorus",
+)
+_CHAT_AUDIENCES = (
+    "", "", " for teenagers", " for busy parents", " for small-business owners", " for retirees", " for college "
+    "students", " for complete beginners", " for a local newspaper", " for a company newsletter",
+)
+_CHAT_STYLES = (
+    "", "", "", " Keep it under 200 words.", " Use a warm, humorous tone.", " Include three concrete examples.",
+    " End with a question for the reader.", " Use vivid sensory details.", " Write it in the second person.",
+    " Make it suspenseful.", " Keep the language simple.", " Give it a catchy title.",
+)
+_CHAT_ROLES = (
+    "a seasoned park ranger", "a patient piano teacher", "a medieval blacksmith", "a sports nutritionist",
+    "a travel agent", "a career counselor", "a detective in 1920s Chicago", "a friendly librarian",
+    "a startup founder pitching to investors", "a museum tour guide", "a pirate captain", "a kindergarten teacher",
+    "a barista with strong opinions about coffee", "a wise old owl", "a personal fitness trainer",
+    "a stand-up comedian", "a sommelier", "a lighthouse keeper", "a financial advisor", "a gardener",
+    "a customer-support agent for an internet provider", "a time traveler from the year 2300",
+    "a chess grandmaster", "a marine biologist", "a tailor", "a retired astronaut", "a chef at a busy diner",
+)
+_CHAT_ROLE_OPENERS = (
+    "Act as {role}.", "You are {role}.", "Take on the role of {role}.", "Pretend to be {role} for this chat.",
+    "Play the part of {role} and stay in character.",
+)
+_CHAT_ROLE_ASKS = (
+    "Describe a typical day in your work.", "What advice would you give someone just starting out in your field?",
+    "A visitor asks you what the hardest part of your job is. Answer them.", "Tell me a story from your career "
+    "that taught you something.", "Explain the three things you wish everyone knew about what you do.",
+    "I am nervous about {topic}. What would you tell me?", "Introduce yourself to a new customer.",
+    "Give me your honest opinion on {topic}.",
+)
+_CHAT_CONCEPTS = (
+    "how vaccines train the immune system", "compound interest", "why leaves change color in autumn",
+    "the difference between weather and climate", "how a bill becomes a law", "supply and demand",
+    "photosynthesis", "how the stock market works", "the water cycle", "why we have time zones",
+    "how noise-cancelling headphones work", "inflation", "how bridges carry heavy loads", "plate tectonics",
+    "the placebo effect", "how recycling plants sort materials", "how a refrigerator keeps food cold",
+    "what a credit score is", "how bees make honey", "the basics of a balanced diet", "how GPS finds your location",
+    "the causes of the Industrial Revolution", "why the moon has phases", "how antibiotics work",
+    "the rules of cricket", "how electric cars are charged", "what an index fund is", "how sound travels",
+)
+_CHAT_EXPLAIN = (
+    "Explain {c}{a}.", "Can you explain {c} in simple terms?", "Give a short explanation of {c}, with an everyday "
+    "example.", "I never understood {c}. Could you walk me through it step by step?", "Write a short lesson on {c}"
+    "{a}.",
+)
+_CHAT_WRITE = (
+    "Write a {form} about {topic}{a}.{s}", "Compose a {form} about {topic}{a}.{s}", "Could you write a {form} about "
+    "{topic}?{s}", "Draft a {form} on {topic}{a}.{s}", "Create an outline for a {form} about {topic}, with section "
+    "headings and a sentence on each.",
+)
+_CHAT_EMAIL = (
+    "Write an email to {who} {why}.{s}", "Draft a polite message to {who} {why}.", "Help me write a short note to "
+    "{who} {why}.",
+)
+_CHAT_RECIPIENTS = ("your landlord", "a new client", "your team", "a professor", "a neighbor", "a hiring manager",
+                    "an old friend", "the city council", "a hotel's front desk", "your manager")
+_CHAT_REASONS = (
+    "asking to reschedule next week's meeting", "about a broken heater", "thanking them for their help on a project",
+    "asking for a letter of recommendation", "announcing a new weekly schedule", "apologizing for a late reply",
+    "proposing a small community event", "following up on a job interview", "asking for a refund",
+    "inviting them to a housewarming party", "suggesting a new way to share files",
+)
+
+
+def _chatgen(n: int = 6000, seed: int = 0) -> Iterator[str]:
+    import random
+
+    rng = random.Random(seed)
+    seen: set = set()
+    for _ in range(n):
+        kind = rng.random()
+        topic = rng.choice(_CHAT_TOPICS)
+        a, s = rng.choice(_CHAT_AUDIENCES), rng.choice(_CHAT_STYLES)
+        if kind < 0.45:
+            p = rng.choice(_CHAT_WRITE).format(form=rng.choice(_CHAT_FORMS), topic=topic, a=a, s=s)
+        elif kind < 0.7:
+            p = (rng.choice(_CHAT_ROLE_OPENERS).format(role=rng.choice(_CHAT_ROLES)) + " "
+                 + rng.choice(_CHAT_ROLE_ASKS).format(topic=topic))
+        elif kind < 0.88:
+            p = rng.choice(_CHAT_EXPLAIN).format(c=rng.choice(_CHAT_CONCEPTS), a=a)
+        else:
+            p = rng.choice(_CHAT_EMAIL).format(who=rng.choice(_CHAT_RECIPIENTS), why=rng.choice(_CHAT_REASONS), s=s)
+        if p not in seen:
+            seen.add(p)
+            yield p
+
+
 def _jsonl(path: str) -> Iterator[list[dict]]:
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -480,7 +596,7 @@ def _jsonl(path: str) -> Iterator[list[dict]]:
 
 def iter_prompts(source: str) -> Iterator[list[dict]]:
     """Chat prompts from a named source ('sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more',
-    'pypackages', 'pytests', 'pycode-alt', 'pyexercises', 'mathgen') or a local JSONL path."""
+    'pypackages', 'pytests', 'pycode-alt', 'pyexercises', 'mathgen', 'chatgen') or a local JSONL path."""
     if source == "sharegpt":
         yield from ([{"role": "user", "content": t}] for t in _sharegpt())
     elif source == "humaneval":
@@ -497,12 +613,14 @@ def iter_prompts(source: str) -> Iterator[list[dict]]:
         yield from ([{"role": "user", "content": t}] for t in _mathgen())
     elif source == "pyexercises":
         yield from ([{"role": "user", "content": t}] for t in _pyexercises())
+    elif source == "chatgen":
+        yield from ([{"role": "user", "content": t}] for t in _chatgen())
     elif os.path.isfile(source):
         yield from _jsonl(source)
     else:
         raise FileNotFoundError(
             f"unknown prompt source {source!r}: use 'sharegpt', 'humaneval', 'pystdlib', 'pystdlib-more', "
-            "'pypackages', 'pytests', 'pycode-alt', 'pyexercises', 'mathgen' or the path of a JSONL file"
+            "'pypackages', 'pytests', 'pycode-alt', 'pyexercises', 'mathgen', 'chatgen' or the path of a JSONL file"
         )
 
 

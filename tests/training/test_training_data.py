@@ -55,7 +55,7 @@ def _norm(text):
 
 @pytest.mark.parametrize("source,at_least", [("pystdlib", 1000), ("pystdlib-more", 700), ("pypackages", 600),
                                              ("pytests", 2300), ("pycode-alt", 2300), ("pyexercises", 3500),
-                                             ("mathgen", 1000),
+                                             ("mathgen", 1000), ("chatgen", 4000),
                                              ("sharegpt", 1000)])
 def test_training_sources_hold_no_evaluation_prompt(source, at_least):
     """The drafter is evaluated on benchmarks/data (GSM8K test, HumanEval, MT-Bench): no
@@ -144,6 +144,19 @@ def test_exercises_are_varied_and_pose_no_humaneval_task_by_name():
     call, out = re.search(r">>> rotate_left\((\[0.*?\])\)\n\s+(.*)\n", rot).groups()
     xs = eval(call)
     assert eval(out) == xs[k % len(xs):] + xs[:k % len(xs)]
+
+
+def test_chat_requests_are_varied_and_stable():
+    chat = [p[0]["content"] for p in iter_prompts("chatgen")]
+    assert chat == [p[0]["content"] for p in iter_prompts("chatgen")]
+    assert len(set(chat)) == len(chat) >= 4000
+    # Each kind of request is there in quantity: writing, role-play, explanation, email.
+    kinds = {"write": r"^(Write|Compose|Could you write|Draft|Create an outline for) a ",
+             "role": r"^(Act as|You are|Take on the role of|Pretend to be|Play the part of) ",
+             "explain": r"(Explain|explain|explanation of|walk me through|lesson on) ",
+             "email": r"(an email to|polite message to|short note to) "}
+    for kind, pat in kinds.items():
+        assert sum(bool(re.search(pat, c)) for c in chat) >= 300, kind
 
 
 def test_source_spec_samples_a_source(tmp_path):
