@@ -116,6 +116,9 @@ def main():
     ap.add_argument("--plot", default="benchmarks/results/concurrency.png")
     ap.add_argument("--json", default="benchmarks/results/concurrency.json")
     ap.add_argument("--weight-dtype", default=None, help="bfloat16: the target's weights in bf16, float32 arithmetic")
+    ap.add_argument("--weight-terms", type=int, choices=(1, 3), default=3,
+                    help="with --weight-dtype bfloat16: 3 (float32-exact rows) or 1 (bf16-rounded activations, "
+                         "batch-invariant steps; load_target)")
     ap.add_argument("--scan-layers", action="store_true",
                     help="target layers under lax.scan (faster compile; the stacked cache costs a copy per step)")
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from the results in --json")
@@ -130,7 +133,10 @@ def main():
         ap.error(f"unknown policies {unknown}: choose from {sorted(POLICIES)} (autoregressive always runs)")
     # Unrolled layers by default: each layer's cache is its own buffer (no per-step copy of a
     # stacked cache); `--scan-layers` compiles the scheduled policies' bucket switch faster.
-    target = ds.load_target("smollm2-135m", scan_layers=args.scan_layers, weight_dtype=args.weight_dtype)
+    if args.weight_terms != 3 and not args.weight_dtype:
+        ap.error("--weight-terms 1 needs --weight-dtype bfloat16")
+    target = ds.load_target("smollm2-135m", scan_layers=args.scan_layers, weight_dtype=args.weight_dtype,
+                            weight_terms=args.weight_terms)
     drafter = ds.load_drafter(args.drafter, target)
     if args.draft_topk is not None:
         drafter = Drafter(drafter.cfg.replace(draft_topk=args.draft_topk), drafter.graphdef, drafter.state)
@@ -140,7 +146,8 @@ def main():
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     untrained = Drafter.random(drafter.cfg, seed=1) if args.no_regret else None
     layers = "scanned" if args.scan_layers else "unrolled"
-    weights = " (bf16 weights)" if args.weight_dtype else ""
+    terms = f"{args.weight_terms} term" + ("s" if args.weight_terms > 1 else "")
+    weights = f" (bf16 weights, {terms})" if args.weight_dtype else ""
     print(f"# Concurrency sweep, SmolLM2-135M fp32{weights} greedy (layers {layers}), drafter {args.drafter} "
           f"(γ = {gamma}, top-k bias {drafter.cfg.draft_topk}) — {hardware()}")
     print(f"# held-out ShareGPT prompts ≤ {args.max_prompt_tokens} tokens, {args.new_tokens} new tokens, "
