@@ -5,6 +5,8 @@
                                                      # → WORKDIR/data/{train,heldout} + token counts
     python -m train.tokens unpack NEW.npz OLD.npz@800 WORKDIR
                                                      # OLD's train sequences: 800, evenly spaced
+    python -m train.tokens vocab FILE.npz [MORE.npz ...] WORKDIR/draft_ids.npy [--size 8192]
+                                                     # a draft vocabulary over archives' answers
 
 Regeneration is the slow part of the data stage (the target answers every prompt); what it
 produces is ~2 bytes a token. Packing lets a run on another machine, or a later session,
@@ -41,9 +43,28 @@ def main(argv=None) -> int:
                         "its train sequences, evenly spaced (a replay sample of older data)")
     u.add_argument("--vocab-size", type=int, default=0,
                    help="the target's vocabulary size for data/token_counts.npy (default: the one stored by pack)")
+    v = sub.add_parser("vocab", help="the most frequent answer tokens of archives → a draft_ids.npy")
+    v.add_argument("paths", nargs="+", metavar="FILE.npz ... OUT.npy",
+                   help="one or more archives (their train sequences' answers are counted), then the output; "
+                        "put it in a workdir as draft_ids.npy before its train stage to use it")
+    v.add_argument("--size", type=int, default=8192, help="draft vocabulary size (the config's draft_vocab_size)")
     a = ap.parse_args(argv)
     try:
-        if a.cmd == "pack":
+        if a.cmd == "vocab":
+            if len(a.paths) < 2 or not a.paths[-1].endswith(".npy"):
+                ap.error("vocab needs at least one archive and then the output .npy path")
+            for f in a.paths[:-1]:
+                if not os.path.isfile(f):
+                    raise FileNotFoundError(f"no packed data at {f!r}")
+            counts = [records.archive_token_counts(f) for f in a.paths[:-1]]
+            size = max(c.size for c in counts)
+            total = sum(np.pad(c, (0, size - c.size)) for c in counts)
+            ids = records.draft_vocabulary(total, a.size)
+            np.save(a.paths[-1], ids)
+            cover = total[ids].sum() / max(int(total.sum()), 1)
+            print(f"{a.paths[-1]}: {ids.size} draft tokens covering {cover:.4f} of {int(total.sum())} answer tokens "
+                  f"in {len(counts)} archives", file=sys.stderr)
+        elif a.cmd == "pack":
             dirs = {s: d for s, d in _dirs(a.workdir).items() if records.shard_paths(d)}
             counts = os.path.join(a.workdir, "data", "token_counts.npy")
             vocab = int(np.load(counts).size) if os.path.exists(counts) else 0

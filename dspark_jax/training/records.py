@@ -132,6 +132,19 @@ def read_archive(path: str):
         yield str(splits[i]), t[: plen[i]], t[plen[i]:]
 
 
+def archive_token_counts(path: str, vocab_size: int = 0, split: str = "train") -> np.ndarray:
+    """Counts of every token id over the response tokens of an archive's `split` sequences
+    (the held-out ones are left out: they measure the drafter and must not shape it)."""
+    z, tokens, starts, plen = _load_archive(path)
+    stored = int(z["vocab_size"]) if "vocab_size" in z else 0
+    size = vocab_size or stored or int(tokens.max()) + 1
+    splits = np.repeat(z["splits"], z["shard_sizes"])
+    counts = np.zeros(size, np.int64)
+    for i in np.flatnonzero(splits == split):
+        counts += np.bincount(tokens[starts[i] + plen[i]:starts[i + 1]], minlength=size)[:size]
+    return counts
+
+
 def unpack(path: str, directories: dict[str, str], prefix: str = "", sample: int = 0,
            shard_size: int = 64) -> dict:
     """Recreates the shards `pack` stored, into `{split: directory}`; existing shards are kept

@@ -325,3 +325,31 @@ def test_unpack_samples_an_archive_evenly_for_replay(tmp_path):
     assert np.load(out / "data" / "token_counts.npy")[[100, 102, 105, 107]].tolist() == [2, 2, 2, 2]
     for bad in (f"{old}@0", f"{old}@x", f"{old}@11"):
         assert tokens.main(["unpack", new, bad, str(tmp_path / "bad")]) == 2
+
+
+def test_vocab_counts_the_train_answers_of_archives(tmp_path):
+    """`train.tokens vocab` picks the most frequent *answer* tokens of the archives' *train*
+    sequences: prompts and held-out answers (which measure the drafter) never shape it."""
+    import numpy as np
+
+    from train import tokens
+
+    archives = []
+    for a, (answer, heldout_answer) in enumerate(((7, 9), (8, 9))):
+        src = {"train": str(tmp_path / f"w{a}" / "train"), "heldout": str(tmp_path / f"w{a}" / "heldout")}
+        os.makedirs(src["train"])
+        os.makedirs(src["heldout"])
+        # Train: prompt 3 3 3 3, answers `answer` ×2 and 5; held-out: answers 9 ×6 (never counted).
+        records.write_shard(os.path.join(src["train"], "shard-00000.array_record"),
+                            [records.encode([3, 3, 3, 3, answer, answer, 5], [0, 0, 0, 0, 1, 1, 1])] * 2)
+        records.write_shard(os.path.join(src["heldout"], "shard-00000.array_record"),
+                            [records.encode([3, heldout_answer] + [heldout_answer] * 5, [0] + [1] * 6)] * 2)
+        archives.append(str(tmp_path / f"a{a}.npz"))
+        records.pack(src, archives[-1], vocab_size=12)
+    out = str(tmp_path / "draft_ids.npy")
+    assert tokens.main(["vocab", *archives, out, "--size", "3"]) == 0
+    # Counts over both archives' train answers: 7 ×4, 8 ×4, 5 ×4; prompts' 3 and held-out 9 excluded.
+    assert np.load(out).tolist() == [5, 7, 8]
+    assert np.load(out).dtype == np.int32
+    assert tokens.main(["vocab", *archives, out, "--size", "13"]) == 2  # larger than the vocabulary
+    assert tokens.main(["vocab", str(tmp_path / "missing.npz"), out]) == 2
