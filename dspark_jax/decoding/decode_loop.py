@@ -423,6 +423,14 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         sizes = (S * (K + 1),)
         branches = [functools.partial(verify_bucket, num_tokens=S * (K + 1), q_max=K + 1, kv_window=W)]
         idx = jnp.int32(0)
+        if target.cfg.fixed_order_decode:
+            # The batch-invariant step (one bf16 term) measured 1.2-1.35x faster as a conditional's
+            # branch than as the loop body's own ops on XLA:CPU (8 slots: 164 against 122-133 tok/s;
+            # BENCHMARKS, stop 45): the same step twice under the switch below, on a runtime index
+            # that is always 0, its writes applied after it as the scheduled loop's are.
+            N = S * (K + 1)
+            branches = [functools.partial(verify_bucket, num_tokens=N, q_max=K + 1, kv_window=W, defer_to=N)] * 2
+            idx = (st.seq_len[0] < 0).astype(jnp.int32)
     else:
         buckets = settings.buckets
         if policy == "async":
@@ -490,16 +498,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         return lambda ops: branches[i](target, drafter, dparams, *ops)
 
     ops = (st.cache, st.dcache, st.seq_len, st.anchor, sa, verify_keys, d_tok, d_logits, nv, active)
-    if len(branches) == 1 and target.cfg.fixed_order_decode:
-        # The batch-invariant step (one bf16 term) measured 1.2-1.35x faster inside a conditional
-        # than as the loop body's own ops on XLA:CPU (8 slots: 164 against 122-133 tok/s; BENCHMARKS,
-        # stop 45), as the scheduled loop runs it under its switch: the same step, in a switch of two
-        # identical branches on a runtime index, its writes applied after it.
-        one = functools.partial(verify_bucket, num_tokens=sizes[0], q_max=K + 1, kv_window=W, defer_to=sizes[0])
-        same = [lambda o: one(target, drafter, dparams, *o), lambda o: one(target, drafter, dparams, *o)]
-        accepted, emitted, writes = jax.lax.switch((st.seq_len[0] < 0).astype(jnp.int32), same, ops)
-        cache, dcache = writes.apply(target, drafter, dparams, st.cache, st.dcache)
-    elif len(branches) == 1:
+    if len(branches) == 1:
         accepted, emitted, cache, dcache = branches[0](target, drafter, dparams, *ops)
     else:  # the branches only read the caches; their writes land here, once
         accepted, emitted, writes = jax.lax.switch(idx, [run(i) for i in range(len(branches))], ops)
