@@ -33,17 +33,17 @@ from dspark_jax.decoding.generate import encode_prompt
 from dspark_jax.models.drafters import Drafter
 
 
-def heldout_sharegpt(target, n: int, max_tokens: int) -> list[list[dict]]:
+def heldout_sharegpt(target, n: int, max_tokens: int, min_tokens: int = 0) -> list[list[dict]]:
     from dspark_jax.training.prompts import is_heldout, sharegpt_pairs
 
     out = []
     for prompt, _ in sharegpt_pairs():
         msgs = [{"role": "user", "content": prompt}]
-        if is_heldout(msgs, 0.05) and len(encode_prompt(target, msgs)) <= max_tokens:
+        if is_heldout(msgs, 0.05) and min_tokens <= len(encode_prompt(target, msgs)) <= max_tokens:
             out.append(msgs)
             if len(out) == n:
                 return out
-    raise RuntimeError(f"only {len(out)} held-out ShareGPT prompts of ≤ {max_tokens} tokens")
+    raise RuntimeError(f"only {len(out)} held-out ShareGPT prompts of {min_tokens}–{max_tokens} tokens")
 
 
 HEADER = ["concurrency", "policy", "decode tok/s", "× AR", "end-to-end tok/s", "τ", "verified/req·cycle",

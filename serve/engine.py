@@ -9,9 +9,9 @@ P prompt tokens per step in all, each admitted slot's chunk prefilled on its own
 query rows, rounded up to a power of two, against its own context —
 `decoding.prefill.prefill_one` — then one jitted `admit` starts the slots whose prompt is
 complete; a long prompt takes several steps while the other slots keep decoding), runs
-`cycles_per_step` cycles of the
-same on-device loop `generate()` uses (`decode_loop`, with the chosen policy over all active
-slots), then streams the new tokens of every request to its callback and retires finished
+`cycles_per_step` cycles of the same on-device loop `generate()` uses (`decode_loop`, with
+the chosen policy over all active slots; fewer when a request finishes, so that its slot is
+refilled by the next step instead of idling), then streams the new tokens of every request to its callback and retires finished
 or cancelled requests, freeing their slots.
 
 Static shapes, so steady-state serving compiles nothing (beyond the programs of each
@@ -109,7 +109,8 @@ class Engine:
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 1024, max_new_tokens: int = 256,
                  prefill_tokens: int = 256, policy: str | None = None, scheduler="async", threshold: float = 0.5,
                  num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4,
-                 windowed_attention: bool = True, mesh=None, config: DecodeConfig | None = None):
+                 windowed_attention: bool = True, mesh=None, config: DecodeConfig | None = None,
+                 stop_on_finish: bool = True):
         config = DecodeConfig.pick(config, policy=policy, num_draft=num_draft, scheduler=scheduler,
                                    threshold=threshold, windowed_attention=windowed_attention)
         self.config = config
@@ -129,6 +130,8 @@ class Engine:
         # context (as in generate(); each window compiles once, when first reached).
         self.windows = attention_windows(self.T, fine=config.fine_windows) if config.windowed_attention else []
         self.cycles_per_step = cycles_per_step
+        # A step also ends after the cycle in which a request finished (`decode_loop`).
+        self.stop_on_finish = stop_on_finish
         cfg = target.cfg
         # Two step-rate tables when profiled here: the sampled cycle's, and the cheaper greedy
         # cycle's (argmax verification, no draft distributions) used while every running
@@ -292,6 +295,7 @@ class Engine:
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
                                   self.sa, jnp.int32(self.cycles_per_step),
                                   sched.at(length) if sched is not None else None,
+                                  jnp.bool_(self.stop_on_finish),
                                   settings=dataclasses.replace(settings, kv_window=window))
             self._collect()
         self.busy_s += time.perf_counter() - t0

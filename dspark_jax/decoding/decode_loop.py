@@ -565,16 +565,23 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
     jax.jit, static_argnames=("tgraph", "drafter", "settings"), donate_argnames=("st",)
 )
 def decode_loop(tgraph, tstate, drafter, dparams, st: GenState, sa: SamplingArrays, max_cycles,
-                sched: SchedArrays | None = None, *, settings: LoopSettings):
+                sched: SchedArrays | None = None, stop_on_finish=False, *, settings: LoopSettings):
     """Runs cycles on device until every request is done or `max_cycles` cycles have run.
 
     `sched` (scheduled policies) is an argument, not a static: a re-profiled step-rate
-    table or another threshold reuses the compiled loop."""
+    table or another threshold reuses the compiled loop. `stop_on_finish` (traced; the serving
+    engine's) also ends the loop after the cycle in which a request finished: its client
+    hears at once and its slot is refilled by the next call instead of idling for the rest
+    of this one. Speculation finishes requests at any cycle, not in lockstep, so with calls of
+    4 cycles idle slots cost it 8% of the target's steps at 8 slots (BENCHMARKS.md, stop 46)."""
     target = nnx.merge(tgraph, tstate)
+    done0 = jnp.sum(st.done)
 
     def cond(c):
         i, s = c
-        return (i < max_cycles) & ~jnp.all(s.done) & window_fits(s, settings) & ~should_compact(s, settings)
+        finished = jnp.asarray(stop_on_finish) & (jnp.sum(s.done) > done0)
+        return ((i < max_cycles) & ~jnp.all(s.done) & ~finished & window_fits(s, settings)
+                & ~should_compact(s, settings))
 
     def body(c):
         i, s = c

@@ -57,6 +57,7 @@ class GenerationStats(TypedDict, total=False):
     verified_per_request: list[int]  # Σ ℓ_r: drafts sent to the target, per request
     mean_verified: list[float]  # drafts verified per cycle, per request
     budget_per_step: float  # packed tokens used per target step (S + Σ ℓ)
+    steps: int  # target steps the decode loop ran (with a drafter)
     bucket_per_step: float  # packed tokens paid for per step (the bucket)
     drafted_steps: float  # fraction of steps that ran the drafter (< 1 when async skipped it)
     step_rates: dict[str, Any]  # the scheduler's step-rate table (at the whole cache)
@@ -424,6 +425,7 @@ def _report(target: Target, drafter, plan: _Plan, run: _Run, policy, settings: L
         steps = max(int(st.steps), 1)
         stats["verified_per_request"] = verified.tolist()  # Σ ℓ_r: drafts sent to the target
         stats["mean_verified"] = (verified / np.maximum(cycles, 1)).tolist()  # per cycle
+        stats["steps"] = int(st.steps)  # target steps the loop ran (each verifies every running slot)
         stats["budget_per_step"] = int(st.budget_sum) / steps  # packed tokens used, N = S + Σℓ
         stats["bucket_per_step"] = int(st.bucket_sum) / steps  # packed tokens paid for
         stats["drafted_steps"] = int(st.drafted_steps) / steps  # < 1 when async skipped drafting

@@ -110,6 +110,28 @@ def test_warm_cache_moves_compile_nothing_later(tiny, fine):
     assert compile_stats.snapshot()[0] == c0
 
 
+@pytest.mark.parametrize("policy", ["ar", "fixed"])
+def test_a_step_ends_when_a_request_finishes(tiny, policy):
+    """With `stop_on_finish` (the default) a step ends after the cycle in which a request
+    finished, so its slot is refilled by the next step; without it the other slots run on for
+    the step's remaining cycles. Outputs are the same either way."""
+    p = [q for q in tiny["prompts"] if len(q) <= 16][:2]  # each prefilled in one chunk
+    ar = ds.generate(tiny["target"], p, sampling=[greedy(2), greedy(MAX_NEW)]).token_ids
+    for stop in (True, False):
+        eng = Engine(tiny["target"], tiny["drafter"] if policy != "ar" else None, slots=4, max_len=128,
+                     max_new_tokens=MAX_NEW, prefill_tokens=32, num_draft=3, cycles_per_step=8, policy=policy,
+                     stop_on_finish=stop)
+        short, other = eng.submit(p[0], greedy(2)), eng.submit(p[1], greedy(MAX_NEW))
+        eng.step()  # prefill (the first token) and decode cycles
+        assert short.status == "finished" and short.tokens == ar[0]
+        if stop:  # the cycle that emitted short's 2nd token ended the step
+            assert len(other.tokens) <= 1 + (1 if policy == "ar" else 4)
+        else:
+            assert len(other.tokens) >= 1 + 8
+        eng.run()
+        assert other.tokens == ar[1]
+
+
 @pytest.mark.slow
 def test_cancel_frees_the_slot(tiny):
     eng = engine(tiny, policy="fixed")
