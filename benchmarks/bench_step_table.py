@@ -81,15 +81,16 @@ def main():
             tps[name].append((st["new_tokens"] - len(out.token_ids)) / st["decode_s"])
             info[name] = {"steps": steps, "tau": st.get("tau"), "drafted_steps": st.get("drafted_steps"),
                           "bucket_per_step": st.get("bucket_per_step")}
-    print(f"\n| choice | profiled ms/step | measured ms/step | measured ÷ profiled | steps | decode tok/s |")
+    print("\n| choice | profiled ms/step | measured ms/step | measured ÷ profiled | steps | decode tok/s |")
     print("|---|---|---|---|---|---|")
     rows = {}
     for name in names:
         p = price.get(name)
         m = sorted(ms[name])[len(ms[name]) // 2]
         ratio = f"{m / (p * 1e3):.2f}" if p else "-"
-        print(f"| {name} | {p * 1e3:.1f} |" if p else f"| {name} | - |", f"{spread(ms[name], fmt='{:.1f}')} | {ratio} | "
-              f"{info[name]['steps']} | {spread(tps[name], fmt='{:.1f}')} |")
+        head = f"| {name} | {p * 1e3:.1f} |" if p else f"| {name} | - |"
+        print(head, f"{spread(ms[name], fmt='{:.1f}')} | {ratio} | {info[name]['steps']} | "
+              f"{spread(tps[name], fmt='{:.1f}')} |")
         rows[name] = {"profiled_ms": None if p is None else p * 1e3, "measured_ms": ms[name],
                       "decode_tps": tps[name], **info[name]}
     print(f"# {machine_load()}")

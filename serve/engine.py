@@ -11,8 +11,8 @@ query rows, rounded up to a power of two, against its own context —
 complete; a long prompt takes several steps while the other slots keep decoding), runs
 `cycles_per_step` cycles of the same on-device loop `generate()` uses (`decode_loop`, with
 the chosen policy over all active slots; fewer when a request finishes, so that its slot is
-refilled by the next step instead of idling), then streams the new tokens of every request to its callback and retires finished
-or cancelled requests, freeing their slots.
+refilled by the next step instead of idling), then streams the new tokens of every request
+to its callback and retires finished or cancelled requests, freeing their slots.
 
 Static shapes, so steady-state serving compiles nothing (beyond the programs of each
 attention window, when first reached): S slots, output buffer O, prompt chunks of P tokens;
