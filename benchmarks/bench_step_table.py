@@ -63,7 +63,11 @@ def main():
           flush=True)
 
     choices = {"one-token step": -1, **{f"bucket {b}": u for u, b in enumerate(table.buckets)}}
-    price = {name: (table.ar_s if u < 0 else table.draft_s + table.verify_s[u]) for name, u in choices.items()}
+    # Every slot is busy, so bucket S (the anchors) holds no draft: the loop then runs its
+    # one-token branch after drafting, and that is what the table must price it as.
+    price = {name: (table.ar_s if u < 0 else
+                    table.draft_s + (table.ar_s if table.buckets[u] <= args.slots else table.verify_s[u]))
+             for name, u in choices.items()}
     cfgs = {name: dict(base, step_rates=forcing_table(table, u)) for name, u in choices.items()}
     cfgs["async (profiled table)"] = base
     cfgs["autoregressive"] = {}

@@ -1,7 +1,8 @@
 """Step-rate profiling and the scheduled policies through `ds.generate` (greedy, exact).
 
-- `profile_step_rates`: one entry per bucket, monotone, cached on disk under the key of
-  device / model / dtype / buckets; `reprofile=True` measures again.
+- `profile_step_rates`: one entry per bucket, monotone (a bigger bucket timed faster is
+  re-timed), cached on disk under the key of device / model / dtype / buckets;
+  `reprofile=True` measures again.
 - `policy="dspark"` (async and sync) and `"threshold"`: greedy output equals
   autoregressive decoding; the step-rate table is an argument (a new table compiles
   nothing); the table decides which compiled bucket runs (cheap big buckets → the largest,
@@ -25,7 +26,7 @@ from spec_helpers import sharpen, window_tables
 
 import dspark_jax as ds
 from dspark_jax.decoding.decode_loop import GenState, LoopSettings, SchedArrays, decode_loop
-from dspark_jax.decoding.profiling import StepRates, default_buckets, profile_step_rates
+from dspark_jax.decoding.profiling import StepRates, default_buckets, measure_step_rates, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingArrays
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafters import Drafter, OracleDrafter
@@ -85,6 +86,27 @@ def test_profile_table_is_monotone_and_cached(tiny, tmp_path, monkeypatch):
     g = profile_step_rates(tiny["target"], tiny["drafter"], greedy=True, **kw)
     assert g.buckets == BUCKETS and g.key["sampling"] == "greedy" and "sampling" not in table.key
     assert len(os.listdir(tmp_path)) == 3
+
+
+def test_a_bucket_timed_faster_than_a_smaller_one_is_re_timed(tiny, monkeypatch):
+    """Noise that makes a bigger bucket look faster is measured again (twice the repeats),
+    not papered over by raising it to the smaller one's time (which under-priced it)."""
+    calls = []
+
+    def fake_median_times(fns, repeats, warmup=2):
+        calls.append((len(fns), repeats))
+        if len(calls) == 1:  # draft, one-token step, buckets 8..32; short calls then long ones
+            per_step = [0.01, 0.02, 0.03, 0.05, 0.04, 0.06]  # bucket 24 "faster" than 16
+        else:  # the re-timed pair (16, 24)
+            per_step = [0.05, 0.07]
+        return [0.01] * len(per_step) + [0.01 + 2 * v for v in per_step]  # long call: 2 more steps
+
+    monkeypatch.setattr("dspark_jax.decoding.profiling._median_times", fake_median_times)
+    t = measure_step_rates(tiny["target"], tiny["drafter"], slots=S, num_draft=K, cache_len=128, buckets=BUCKETS,
+                           repeats=3)
+    assert calls == [(12, 3), (4, 6)]
+    assert t.draft_s == pytest.approx(0.01) and t.ar_s == pytest.approx(0.02)
+    assert np.allclose(t.verify_s, [0.03, 0.05, 0.07, 0.07])  # re-timed, then monotone
 
 
 @pytest.mark.slow
