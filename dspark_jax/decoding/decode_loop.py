@@ -572,8 +572,8 @@ def decode_loop(tgraph, tstate, drafter, dparams, st: GenState, sa: SamplingArra
     table or another threshold reuses the compiled loop. `stop_on_finish` (traced; the serving
     engine's) also ends the loop after the cycle in which a request finished: its client
     hears at once and its slot is refilled by the next call instead of idling for the rest
-    of this one. Speculation finishes requests at any cycle, not in lockstep, so with calls of
-    4 cycles idle slots cost it 8% of the target's steps at 8 slots (BENCHMARKS.md, stop 46)."""
+    of this one. Speculation finishes requests at any cycle, not in lockstep: at 8 slots, calls
+    of 4 cycles, the hybrid drafter needs 6% fewer target steps with it (BENCHMARKS.md, stop 46)."""
     target = nnx.merge(tgraph, tstate)
     done0 = jnp.sum(st.done)
 
