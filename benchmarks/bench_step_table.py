@@ -19,7 +19,7 @@ import json
 
 import dspark_jax as ds
 from benchmarks.bench_concurrency import heldout_sharegpt
-from benchmarks.common import machine_load, spread
+from benchmarks.common import machine_load, median, spread
 
 BIG = 1e6
 
@@ -90,7 +90,7 @@ def main():
     rows = {}
     for name in names:
         p = price.get(name)
-        m = sorted(ms[name])[len(ms[name]) // 2]
+        m = median(ms[name])
         ratio = f"{m / (p * 1e3):.2f}" if p else "-"
         head = f"| {name} | {p * 1e3:.1f} |" if p else f"| {name} | - |"
         print(head, f"{spread(ms[name], fmt='{:.1f}')} | {ratio} | {info[name]['steps']} | "
