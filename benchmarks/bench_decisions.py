@@ -48,15 +48,10 @@ def install_probes():
 
     def budget(prev_conf_SG, active_S, caps_S, rates_U, buckets, skip_rate=None, critical_S=None):
         u = budget0(prev_conf_SG, active_S, caps_S, rates_U, buckets, skip_rate=skip_rate, critical_S=critical_S)
-        a = sch.survival(prev_conf_SG)
-        avail = active_S[:, None] & (jnp.arange(a.shape[1])[None] < caps_S[:, None])
-        _, a_sorted, avail_sorted = sch._rank_order(a, avail)
-        S = jnp.sum(active_S).astype(jnp.int32)
-        csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
-        n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, a_sorted.shape[0])
-        theta = (S + csum[n_u]) * jnp.asarray(rates_U, jnp.float32)
+        *_, S, _, expected = sch.expected_accepted(prev_conf_SG, active_S, caps_S, buckets)
+        theta = (S + expected) * jnp.asarray(rates_U, jnp.float32)
         skip = S * (skip_rate if skip_rate is not None else 0.0)
-        jax.debug.callback(on_decision, S, theta, skip, u, csum[n_u], ordered=True)
+        jax.debug.callback(on_decision, S, theta, skip, u, expected, ordered=True)
         return u
 
     def on_end(S, emitted, drafted, bucket, window=None):

@@ -115,6 +115,19 @@ def _fill_count(n_admit, avail_sorted_C, S, buckets):
     return jnp.clip(cap, n_admit, jnp.sum(avail_sorted_C))
 
 
+def expected_accepted(prev_conf_SG, active_S, caps_S, buckets: Sequence[int]):
+    """What each bucket is expected to accept: (survival [S, G], availability [S, G], candidate
+    order, running slots S, candidates n_u bucket u holds, expected_U = Σ of the n_u best
+    predicted survivals). The async budget's Θ_u is (S + expected_U) · SPS_u."""
+    a_pred = survival(prev_conf_SG)
+    avail = active_S[:, None] & (jnp.arange(a_pred.shape[1])[None] < caps_S[:, None])
+    order, a_sorted, avail_sorted = _rank_order(a_pred, avail)
+    S = jnp.sum(active_S).astype(jnp.int32)
+    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
+    n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, a_sorted.shape[0])
+    return a_pred, avail, order, S, n_u, csum[n_u]
+
+
 def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int], skip_rate=None,
                  critical_S=None):
     """The bucket for this step from *earlier* confidences (never this step's drafts).
@@ -129,19 +142,14 @@ def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int]
     (the same units as S · skip_rate). Drafting that speeds up some requests while the
     batch waits for the others is then worth nothing; with one slot it is the same objective.
     """
-    a_pred = survival(prev_conf_SG)
+    a_pred, avail, order, S, n_u, expected_U = expected_accepted(prev_conf_SG, active_S, caps_S, buckets)
     S_all, G = a_pred.shape
-    avail = active_S[:, None] & (jnp.arange(G)[None] < caps_S[:, None])
-    order, a_sorted, avail_sorted = _rank_order(a_pred, avail)
-    S = jnp.sum(active_S).astype(jnp.int32)
-    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
-    n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, a_sorted.shape[0])
     fits = jnp.asarray(buckets, jnp.int32) >= S
     if critical_S is None:
-        worth_U = S + csum[n_u]
+        worth_U = S + expected_U
     else:
         # Each slot's expected progress when bucket u admits the first n_u candidates.
-        M = a_sorted.shape[0]
+        M = order.shape[0]
         rank_C = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # j-major flat
         a_C = jnp.where(avail, a_pred, 0.0).T.reshape(-1)
         gain_US = jnp.where(rank_C[None] < n_u[:, None], a_C[None], 0.0).reshape(len(buckets), G, S_all).sum(1)
