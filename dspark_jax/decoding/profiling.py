@@ -110,7 +110,7 @@ def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=Fal
     key = {
         # bump to invalidate old tables
         "method": "draft(S) + verify(S, N), round-robin medians, 2 vs 4 steps a call, caches donated, "
-                  "non-monotone pairs re-timed, v5",
+                  "non-monotone pairs re-timed, traced step count, v6",
         "device": jax.devices()[0].device_kind,
         "model": target.name,
         "config": hashlib.sha1(repr(target.cfg).encode()).hexdigest()[:16],
@@ -138,7 +138,9 @@ def _cache_path(key: dict, cache_dir: str | None) -> str:
 STEPS_PER_CALL = 2
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "steps"))
+# `steps` is traced (a while loop's trip count), not static: the short and the long call of a
+# piece are one compiled program, which halves what a table compiles.
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter"))
 def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_S, sa, steps):
     target = nnx.merge(tgraph, tstate)
 
@@ -153,10 +155,10 @@ def _draft_step(tgraph, tstate, drafter, dparams, dcache, anchor_S, pos_S, keys_
     return jax.lax.fori_loop(0, steps, body, (anchor_S, jnp.float32(0.0)))
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max", "defer_to", "steps"),
+@functools.partial(jax.jit, static_argnames=("tgraph", "drafter", "num_tokens", "q_max", "defer_to"),
                    donate_argnames=("cache", "dcache"))
 def _verify_step(tgraph, tstate, drafter, dparams, cache, dcache, seq_len_S, anchor_S, sa, verify_keys, d_tok,
-                 d_logits, nv, active, *, num_tokens, q_max, defer_to, steps):
+                 d_logits, nv, active, steps, *, num_tokens, q_max, defer_to):
     """The step as the scheduled loop runs it under its bucket switch: the caches only read,
     the step's writes (padded to the largest bucket) applied after."""
     target = nnx.merge(tgraph, tstate)
@@ -236,14 +238,14 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
 
         def call():
             out = _verify_step(tg, ts, drafter, dparams, caches["cache"], caches["dcache"], pos, anchor, sa, keys,
-                               d_tok, d_logits, nv, active, num_tokens=n_tokens, q_max=q_max,
-                               defer_to=max(buckets), steps=steps)
+                               d_tok, d_logits, nv, active, jnp.int32(steps), num_tokens=n_tokens, q_max=q_max,
+                               defer_to=max(buckets))
             caches["cache"], caches["dcache"] = out[0], out[1]
             return out[2:]
         return call
 
     def draft_fn(steps):
-        return lambda: _draft_step(tg, ts, drafter, dparams, caches["dcache"], anchor, pos, keys, sa, steps)
+        return lambda: _draft_step(tg, ts, drafter, dparams, caches["dcache"], anchor, pos, keys, sa, jnp.int32(steps))
 
     def pieces(steps):
         return [draft_fn(steps), verify_fn(S, 1, steps)] + [verify_fn(n, K + 1, steps) for n in buckets]
