@@ -57,8 +57,10 @@ HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p
 
 
 def server_args(drafter: str, slots: int, max_tokens: int, max_len: int, warmup: str = "short",
-                weight_dtype: str | None = None, fine_windows: bool = False, weight_terms: int = 3) -> list[str]:
-    return ["--drafter", drafter, "--slots", str(slots), "--max-len", str(max_len),
+                weight_dtype: str | None = None, fine_windows: bool = False, weight_terms: int = 3,
+                min_slots: int = 1) -> list[str]:
+    return ["--drafter", drafter, "--slots", str(slots), "--min-slots", str(min(min_slots, slots)),
+            "--max-len", str(max_len),
             "--max-tokens-limit", str(max_tokens), "--max-queue", str(4 * slots + 64), "--warmup", warmup,
             *(["--weight-dtype", weight_dtype, "--weight-terms", str(weight_terms)] if weight_dtype else []),
             *(["--fine-windows"] if fine_windows else [])]
@@ -208,15 +210,23 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--slots", type=int, default=0,
+                    help="the engine's slots (default 0: as many as the concurrency); more slots than requests in "
+                         "flight is a server under partial load")
+    ap.add_argument("--min-slots", default="1",
+                    help="the server's --min-slots (comma-separated: each value is a configuration of its own, "
+                         "named CONFIG/minN, e.g. 1,8 compares shrinking to the requests in flight against all slots)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-per-slot", type=int, default=2)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--max-prompt-chars", type=int, default=600)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-http", action="store_true")
-    ap.add_argument("--warmup", choices=("short", "full"), default="short",
+    ap.add_argument("--warmup", choices=("short", "full", "pass"), default="short",
                     help="the server's warm-up before timing; 'full' also compiles (and profiles the step-rate "
-                         "table at) every attention window, as `serve.server --warmup full` does")
+                         "table at) every attention window, as `serve.server --warmup full` does; 'pass' (library "
+                         "only) runs the timed workload once untimed instead (faster to start; the compiles column "
+                         "says whether the rounds still compiled)")
     ap.add_argument("--weight-dtype", default=None,
                     help="bfloat16: the server's --weight-dtype (bf16 weights under float32 arithmetic; on CPUs with "
                          "AMX / AVX512-BF16 a step of many tokens costs about what one does)")
@@ -226,6 +236,8 @@ def main(argv=None):
     ap.add_argument("--png", default=None)
     ap.add_argument("--logdir", default="/tmp/bench_serving")
     args = ap.parse_args(argv)
+    if args.warmup == "pass" and not args.no_http:
+        ap.error("--warmup pass runs in the library only: add --no-http")
     import jax
 
     import dspark_jax as ds
@@ -235,7 +247,9 @@ def main(argv=None):
 
     os.makedirs(args.logdir, exist_ok=True)
     concs = [int(c) for c in args.concurrency.split(",")]
-    names = args.configs.split(",")
+    mins = [int(m) for m in args.min_slots.split(",")]
+    # Cells: each configuration at each --min-slots value ("ar/min8"; the plain name when one).
+    names = [c if len(mins) == 1 else f"{c}/min{m}" for c in args.configs.split(",") for m in mins]
     print(f"# {hardware()}; {machine_load()} at start", flush=True)
     target = ds.load_target("smollm2-135m", weight_dtype=args.weight_dtype, weight_terms=args.weight_terms)
     results = {}
@@ -245,12 +259,19 @@ def main(argv=None):
         engines, procs, ports = {}, {}, {}
         cells = {name: {"library": [], "http": []} for name in names}
         try:
+            slots = args.slots or C
             for name in names:
-                sargs = server_args(CONFIGS[name], C, args.max_tokens, args.max_len, args.warmup, args.weight_dtype,
-                                    args.fine_windows, args.weight_terms)
+                config, _, m = name.partition("/min")
+                sargs = server_args(CONFIGS[config], slots, args.max_tokens, args.max_len,
+                                    "none" if args.warmup == "pass" else args.warmup,
+                                    args.weight_dtype, args.fine_windows, args.weight_terms,
+                                    min_slots=int(m) if m else mins[0])
                 engines[name] = make_engine(server_parser().parse_args(sargs), target,
-                                            load_drafter(CONFIGS[name], target))
-                warmup(engines[name], target, full=args.warmup == "full")
+                                            load_drafter(CONFIGS[config], target))
+                if args.warmup == "pass":
+                    run_library(engines[name], prompts, args.max_tokens, C)
+                else:
+                    warmup(engines[name], target, full=args.warmup == "full")
                 if not args.no_http:
                     ports[name] = free_port()
                     procs[name] = start_server(sargs, ports[name], os.path.join(args.logdir, f"server_{name}_{C}.log"))
@@ -301,7 +322,7 @@ def main(argv=None):
                           "confidences: " + ", ".join(f"{c['accepted']:.0f} / {c['budget_exp']:.1f} / "
                                                        f"{c['conf_exp']:.1f}" for c in cal), flush=True)
     print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
-          f"ShareGPT prompts, C slots, C in flight\n")
+          f"ShareGPT prompts, {args.slots or 'C'} slots, C in flight\n")
     print(table(HEADERS, rows))
     print(f"\n# {machine_load()} at end")
     if args.json:

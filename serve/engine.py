@@ -14,8 +14,15 @@ the chosen policy over all active slots; fewer when a request finishes, so that 
 refilled by the next step instead of idling), then streams the new tokens of every request
 to its callback and retires finished or cancelled requests, freeing their slots.
 
+Idle slots cost nothing: the decode state holds the smallest slot bucket (a power of two from
+`min_slots` up to S) that fits the requests running and queued. It grows (one copy of the
+state into a bigger one) when more requests arrive, and once the requests in flight fit half
+of it, the running ones move into the slots of the smaller bucket (`take_slots`, as
+`generate()` compacts), so a lone request on an 8-slot engine decodes at one slot's cost. Each
+slot bucket has its own programs and, scheduled, its own step-rate tables (profiled up front).
+
 Static shapes, so steady-state serving compiles nothing (beyond the programs of each
-attention window, when first reached): S slots, output buffer O, prompt chunks of P tokens;
+attention window and slot bucket, when first reached): S slots, output buffer O, prompt chunks of P tokens;
 the target's cache is sized to the window that holds every running context (up to the
 `max_len` bucket T; resized in one copy when a window is crossed, because attention over a
 window cut from a longer cache copies it every step on CPU); every sampling filter is compiled
@@ -43,7 +50,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding.decode_config import DecodeConfig
-from dspark_jax.decoding.decode_loop import GenState, SchedArrays, acceptance_prior, decode_loop, request_stop_ids
+from dspark_jax.decoding.decode_loop import (
+    GenState,
+    LoopSettings,
+    SchedArrays,
+    acceptance_prior,
+    decode_loop,
+    request_stop_ids,
+    take_slots,
+)
 from dspark_jax.decoding.generate import (
     WindowSched,
     attention_windows,
@@ -102,15 +117,40 @@ def _shard_cache(cache: KVCache, mesh) -> KVCache:
     return cache.map_arrays(put)
 
 
+@dataclasses.dataclass
+class SlotLoop:
+    """What the decode loop of one slot bucket runs with: the sampled cycle's settings and
+    step-rate tables, and the greedy cycle's (the same where nothing is profiled)."""
+
+    settings: LoopSettings
+    sched: WindowSched | None
+    greedy_settings: LoopSettings
+    greedy_sched: WindowSched | None
+
+
+def slot_buckets(slots: int, min_slots: int = 1) -> list[int]:
+    """The slot counts a decode state may hold: powers of two from `min_slots` (rounded up)
+    below `slots`, then `slots` itself."""
+    if not 1 <= min_slots <= slots:
+        raise ValueError(f"min_slots must be between 1 and slots={slots}, got {min_slots}")
+    b, out = next_pow2(min_slots, 1), []
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return out + [slots]
+
+
 class Engine:
     """Continuous batching over `slots` request slots with policy "ar", "fixed", "dspark"
-    (async or sync scheduler) or "threshold", as in `generate()`."""
+    (async or sync scheduler) or "threshold", as in `generate()`. `min_slots` (default 1) is
+    the smallest slot bucket the decode state shrinks to (= `slots`: always all slots); a
+    given `step_rates` table is for `slots` slots, so a scheduled engine with one never shrinks."""
 
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 1024, max_new_tokens: int = 256,
                  prefill_tokens: int = 256, policy: str | None = None, scheduler="async", threshold: float = 0.5,
                  num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4,
                  windowed_attention: bool = True, mesh=None, config: DecodeConfig | None = None,
-                 stop_on_finish: bool = True):
+                 stop_on_finish: bool = True, min_slots: int = 1):
         config = DecodeConfig.pick(config, policy=policy, num_draft=num_draft, scheduler=scheduler,
                                    threshold=threshold, windowed_attention=windowed_attention)
         self.config = config
@@ -140,28 +180,34 @@ class Engine:
         # `step` schedules with the one of the cache's current length.
         schedule = config.loop_schedule(policy)
         windows = [w for w in self.windows if w is not None]
-        self.settings, self.sched = loop_settings(target, drafter, schedule, K, slots, self.T, config.threshold,
-                                                  step_rates, False, windows=windows)
-        self.greedy_settings, self.greedy_sched = (
-            loop_settings(target, drafter, schedule, K, slots, self.T, config.threshold, None, False, greedy=True,
-                          windows=windows)
-            if step_rates is None and self.sched is not None and schedule != "threshold" else
-            (self.settings, self.sched))
-        O = next_pow2(max_new_tokens) + K + 1
+        scheduled = drafter is not None and schedule != "fixed"
+        # A caller's step-rate table prices steps of `slots` slots only.
+        self.slot_buckets = [slots] if scheduled and step_rates is not None else slot_buckets(slots, min_slots)
+        self.loops: dict[int, SlotLoop] = {}
+        for b in self.slot_buckets:
+            settings, sched = loop_settings(target, drafter, schedule, K, b, self.T, config.threshold, step_rates,
+                                            False, windows=windows)
+            greedy_settings, greedy_sched = (
+                loop_settings(target, drafter, schedule, K, b, self.T, config.threshold, None, False, greedy=True,
+                              windows=windows)
+                if step_rates is None and sched is not None and schedule != "threshold" else (settings, sched))
+            self.loops[b] = SlotLoop(settings, sched, greedy_settings, greedy_sched)
+        top = self.loops[slots]
+        self.settings, self.sched = top.settings, top.sched
+        self.greedy_settings, self.greedy_sched = top.greedy_settings, top.greedy_sched
+        self.O = O = next_pow2(max_new_tokens) + K + 1
         self.M = 8  # stop ids per request
         self.dparams = drafter.params if drafter is not None else None
         # Where each admitted request's scheduler starts (the drafter's measured acceptance).
         self.prior = jnp.asarray(acceptance_prior(drafter, K))
-        S = slots
-        st = GenState.create(cfg, drafter, self.dparams, slots=S, cache_len=self.T, out_len=O, num_draft=K,
-                             stop_ids=np.full((S, self.M), -1, np.int32))
+        n = self.slot_buckets[0]
+        st = GenState.create(cfg, drafter, self.dparams, slots=n, cache_len=self.T, out_len=O, num_draft=K,
+                             stop_ids=np.full((n, self.M), -1, np.int32))
         # The target's cache starts at the first window and follows the contexts (`step`).
         st = st.replace(cache=st.cache.resized(min(self.windows, default=self.T)))
-        if mesh is not None:
-            st = st.replace(cache=_shard_cache(st.cache, mesh),
-                            dcache=_shard_cache(st.dcache, mesh) if isinstance(st.dcache, KVCache) else st.dcache)
-        self.st = st
-        self.slot_params = [SamplingParams(temperature=0.0)] * S
+        self.st = self._place(st)
+        self.used_slot_buckets = {n}
+        self.slot_params = [SamplingParams(temperature=0.0)] * n
         self.sa = self._sampling_arrays()
         self.running: dict[int, Request] = {}  # slot → request
         self.queue: deque[Request] = deque()
@@ -177,6 +223,18 @@ class Engine:
         # requests' k, one program per power of two: pinned to 0 (the general path).
         return dataclasses.replace(SamplingArrays.from_params(self.slot_params), use_top_k=True, use_top_p=True,
                                    use_min_p=True, top_k_max=0)
+
+    def _place(self, st: GenState) -> GenState:
+        """The state with its caches over the mesh's tensor axis (no mesh: as it is)."""
+        if self.mesh is None:
+            return st
+        return st.replace(cache=_shard_cache(st.cache, self.mesh),
+                          dcache=_shard_cache(st.dcache, self.mesh) if isinstance(st.dcache, KVCache) else st.dcache)
+
+    @property
+    def n_slots(self) -> int:
+        """Slots the decode state holds now (its slot bucket)."""
+        return len(self.slot_params)
 
     @property
     def step_rates(self):
@@ -221,22 +279,40 @@ class Engine:
         return sorted({prefill_rows(n, self.P) for n in range(1, self.P + 1)})
 
     def compile_cache_moves(self) -> None:
-        """Compiles the target cache's moves between every two of its lengths (the windows and
-        T): `step` grows the cache when a context crosses into a larger window and cuts it
-        when the long requests are gone, and each move is a program of its own. Walks the live
-        cache through them (no second cache at any time)."""
+        """Compiles the state's moves before any request needs them, each a program of its own:
+        the target cache's between every two of its lengths (the windows and T) at every slot
+        bucket — `step` grows the cache when a context crosses into a larger window and cuts it
+        when the long requests are gone — and the moves between every two slot buckets at
+        every cache length (`_fit_slots`). Walks the live (idle) state through them."""
+        if not self.idle:
+            raise RuntimeError("compile_cache_moves runs on an idle engine")
         lengths = sorted({self._cache_len(w) for w in self.windows if w is not None} | {self.T})
-        cache, start = self.st.cache, self.st.cache.length
-        for a in lengths:
-            for b in lengths:
-                if a != b:
-                    cache = cache.resized(a).resized(b)
-        self.st = self.st.replace(cache=jax.block_until_ready(cache.resized(start)))
+        start_n, start_len = self.n_slots, self.st.cache.length
 
-    def warm_buckets(self, unit: list[int]) -> dict[tuple[float, int], float]:
-        """Runs every verification bucket of the async-scheduled loop, greedy and sampled, at
-        the first attention window (requests of the prompt `unit`, every slot busy); returns
-        {(temperature, forced bucket): packed tokens paid per cycle}.
+        def to_length(n):
+            self.st = self.st.replace(cache=jax.block_until_ready(self.st.cache.resized(n)))
+
+        for length in lengths:
+            to_length(length)
+            for a in self.slot_buckets:
+                for b in self.slot_buckets:
+                    if a != b:
+                        self._resize_slots(a)
+                        self._resize_slots(b)
+        for n in self.slot_buckets:
+            self._resize_slots(n)
+            for a in lengths:
+                for b in lengths:
+                    if a != b:
+                        to_length(a)
+                        to_length(b)
+        self._resize_slots(start_n)
+        to_length(start_len)
+
+    def warm_buckets(self, unit: list[int]) -> dict[tuple[int, float, int], float]:
+        """Runs every verification bucket of the async-scheduled loop at every slot bucket,
+        greedy and sampled, at the first attention window (requests of the prompt `unit`, every
+        slot busy); returns {(slots, temperature, forced bucket): packed tokens paid per cycle}.
 
         The buckets are branches of one compiled loop, but XLA:CPU pays ~0.7-1 s the first time
         a branch executes (measured at 8 slots, SmolLM2 bf16: a step that first ran the 27- or
@@ -250,23 +326,27 @@ class Engine:
         new = min(4 * self.cycles_per_step, self.max_new_tokens)
         if len(unit) + new + self.K + 1 > min(self.windows or [self.T]):
             return {}
-        buckets = self.settings.buckets
         paid = {}
-        for name, temp in (("greedy_sched", 0.0), ("sched", 0.7)):
-            base = getattr(self, name)
-            try:
-                for u in range(len(buckets)):
-                    rates = np.full(len(buckets), 1e-6, np.float32)
-                    rates[u] = 1e6
-                    setattr(self, name, WindowSched.fixed(SchedArrays.make(rates, 0.0, base.at(self.T).threshold)))
-                    b0, c0 = int(self.st.bucket_sum), int(self.st.steps)
-                    for _ in range(self.S):
-                        self.submit(list(unit), SamplingParams(temperature=temp, seed=0, ignore_eos=True,
-                                                               max_new_tokens=new))
-                    self.run()
-                    paid[(temp, buckets[u])] = (int(self.st.bucket_sum) - b0) / max(int(self.st.steps) - c0, 1)
-            finally:
-                setattr(self, name, base)
+        for slots in self.slot_buckets:
+            loop = self.loops[slots]
+            buckets = loop.settings.buckets
+            for name, temp in (("greedy_sched", 0.0), ("sched", 0.7)):
+                base = getattr(loop, name)
+                try:
+                    for u in range(len(buckets)):
+                        rates = np.full(len(buckets), 1e-6, np.float32)
+                        rates[u] = 1e6
+                        setattr(loop, name, WindowSched.fixed(SchedArrays.make(rates, 0.0,
+                                                                               base.at(self.T).threshold)))
+                        b0, c0 = int(self.st.bucket_sum), int(self.st.steps)
+                        for _ in range(slots):
+                            self.submit(list(unit), SamplingParams(temperature=temp, seed=0, ignore_eos=True,
+                                                                   max_new_tokens=new))
+                        self.run()
+                        paid[(slots, temp, buckets[u])] = ((int(self.st.bucket_sum) - b0)
+                                                           / max(int(self.st.steps) - c0, 1))
+                finally:
+                    setattr(loop, name, base)
         self.finished.clear()
         return paid
 
@@ -290,8 +370,9 @@ class Engine:
             prefilling = max((r.prefilled for r in self.running.values() if r.status == "prefilling"), default=0)
             length = max(window or self.T, self._cache_len(prefilling))
             self.st = self.st.replace(cache=self.st.cache.resized(length))
-            settings, sched = ((self.greedy_settings, self.greedy_sched) if self.sa.all_greedy
-                               else (self.settings, self.sched))
+            loop = self.loops[self.n_slots]
+            settings, sched = ((loop.greedy_settings, loop.greedy_sched) if self.sa.all_greedy
+                               else (loop.settings, loop.sched))
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
                                   self.sa, jnp.int32(self.cycles_per_step),
                                   sched.at(length) if sched is not None else None,
@@ -335,13 +416,15 @@ class Engine:
     def _admit(self):
         """Free slots take queued requests; every prefilling slot gets its next prompt chunk
         (P packed tokens per step in all, so a long prompt takes several steps while the
-        other slots keep decoding)."""
-        for slot in range(self.S):
+        other slots keep decoding). First the state moves to the slot bucket that fits the
+        requests in flight (running and queued)."""
+        self._fit_slots()
+        S = self.n_slots
+        for slot in range(S):
             if self.queue and slot not in self.running:
                 req = self.queue.popleft()
                 req.status, req.slot, req.started_at = "prefilling", slot, time.perf_counter()
                 self.running[slot] = req
-        S = self.S
         seq_len = np.zeros(S, np.int32)
         chunk, final = np.zeros(S, bool), np.zeros(S, bool)
         max_new, seeds = np.ones(S, np.int32), [0] * S
@@ -395,6 +478,39 @@ class Engine:
         for slot in np.flatnonzero(final):
             self.running[int(slot)].status = "running"
         self._collect()  # first tokens (and requests that stop on them)
+
+    def _fit_slots(self) -> None:
+        """Grows the decode state to the smallest slot bucket that holds every request in flight
+        (capped at S), or shrinks it once they fit half of it."""
+        need = len(self.running) + len(self.queue)
+        want = next((b for b in self.slot_buckets if b >= need), self.S)
+        if want != self.n_slots:
+            self._resize_slots(want)
+
+    def _resize_slots(self, n: int) -> None:
+        """Moves the decode state to `n` slots in one copy (`take_slots`): the running and
+        prefilling requests first, in slot order, to slots 0, 1, …; then free slots (done, their
+        stale rows overwritten on admission). Requests keep their keys, caches and scheduler
+        state; only their slot numbers change."""
+        old = self.n_slots
+        if n == old:
+            return
+        busy = sorted(self.running)
+        if len(busy) > n:
+            raise RuntimeError(f"{len(busy)} requests in flight do not fit {n} slots")
+        free = [s for s in range(old) if s not in self.running]
+        idx = (busy + free + [0] * n)[:n]  # growing: the extra rows are copies, marked done below
+        st, _ = take_slots(self.st, self.sa, jnp.asarray(idx, jnp.int32), drafter=self.drafter)
+        if n > old:
+            st = st.replace(done=st.done.at[old:].set(True))
+        self.st = self._place(st)
+        self.running = {new: self.running[s] for new, s in enumerate(busy)}
+        for new, req in self.running.items():
+            req.slot = new
+        greedy = SamplingParams(temperature=0.0)
+        self.slot_params = [self.slot_params[s] for s in busy] + [greedy] * (n - len(busy))
+        self.sa = self._sampling_arrays()
+        self.used_slot_buckets.add(n)
 
     def _collect(self):
         out, n_out, done = np.asarray(self.st.out), np.asarray(self.st.n_out), np.asarray(self.st.done)

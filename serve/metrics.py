@@ -137,6 +137,8 @@ class Metrics:
                  "Requests holding an engine slot (prefilling or decoding)."),
                 ("dspark_queued_requests", extra["queued"], "Accepted requests waiting for a slot."),
                 ("dspark_slots", extra["slots"], "Engine slots."),
+                ("dspark_active_slots", extra.get("active_slots"),
+                 "Slots the decode state holds now (the slot bucket that fits the requests in flight)."),
                 ("dspark_max_queue", extra["max_queue"], "Queued requests beyond the slots before 429."),
                 ("dspark_memory_maps", extra.get("memory_maps"),
                  "Memory maps this process holds (XLA:CPU maps pages per compiled program), at the last compile."),

@@ -108,7 +108,8 @@ class Server:
         async def metrics():
             running, queued = server.worker.load()
             maps = server.worker.maps
-            text = server.metrics.render({"slots": server.engine.S, "max_queue": server.max_queue,
+            text = server.metrics.render({"slots": server.engine.S, "active_slots": server.engine.n_slots,
+                                          "max_queue": server.max_queue,
                                           "running": running, "queued": queued, "memory_maps": maps.used,
                                           "memory_maps_limit": maps.limit, "program_drops": maps.clears})
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="verification policy (default: dspark with a drafter, ar without)")
     ap.add_argument("--num-draft", type=int, default=None, help="drafts per cycle with --policy fixed")
     ap.add_argument("--slots", type=int, default=8, help="requests decoded at once")
+    ap.add_argument("--min-slots", type=int, default=1,
+                    help="smallest slot bucket: the decode state shrinks to the power of two that holds the requests "
+                         "in flight, down to this (= --slots: every step pays for all slots)")
     ap.add_argument("--max-len", type=int, default=2048,
                     help="tokens of prompt + completion per slot (the KV cache length, rounded up to 128·2^k)")
     ap.add_argument("--max-tokens-limit", type=int, default=256, help="largest max_tokens a request may ask for")
@@ -261,17 +265,18 @@ def make_engine(args, target, drafter):
     if args.num_draft is not None and policy != "fixed":
         raise ValueError("--num-draft applies to --policy fixed")
     config = ds.DecodeConfig(policy=policy, num_draft=args.num_draft, fine_windows=args.fine_windows)
-    return Engine(target, drafter if policy != "ar" else None, slots=args.slots, max_len=args.max_len,
-                  max_new_tokens=args.max_tokens_limit, prefill_tokens=args.prefill_tokens,
+    return Engine(target, drafter if policy != "ar" else None, slots=args.slots, min_slots=args.min_slots,
+                  max_len=args.max_len, max_new_tokens=args.max_tokens_limit, prefill_tokens=args.prefill_tokens,
                   cycles_per_step=args.cycles_per_step, config=config)
 
 
 def warmup(engine, target, full: bool = False):
-    """Compiles admission and the decode loop before any client waits: a greedy and a sampled
-    request (greedy-only batches run a program of their own), at the first attention window or,
-    with `full`, at every window of the cache (a long prompt each); then the cache's moves
-    between windows. Drops the compiled programs rather than crash if the process nears the
-    kernel's memory-map limit (`MapGuard`)."""
+    """Compiles admission and the decode loop before any client waits: greedy and sampled
+    requests (greedy-only batches run a program of their own), at every slot bucket (as many
+    requests as its slots), at the first attention window or, with `full`, at every window of
+    the cache (a long prompt each); then the state's moves between windows and slot buckets.
+    Drops the compiled programs rather than crash if the process nears the kernel's memory-map
+    limit (`MapGuard`)."""
     import dspark_jax as ds
     from dspark_jax.decoding.compile_stats import MapGuard
 
@@ -286,19 +291,22 @@ def warmup(engine, target, full: bool = False):
         bounds = [w for w in engine.windows if w is not None]
         lengths += [b - engine.K for b in bounds if b - engine.K + new + engine.K + 1 <= engine.T]
     guard = MapGuard()  # a warm-up of many windows must not crash the process either
-    for n in lengths:
-        ids = (unit * (n // len(unit) + 1))[:n]
-        for temp in (0.0, 0.7):
-            engine.submit(ids, ds.SamplingParams(temperature=temp, seed=0, ignore_eos=True, max_new_tokens=new))
-            engine.run()
-            guard.check()
+    for slots in engine.slot_buckets:
+        for n in lengths:
+            ids = (unit * (n // len(unit) + 1))[:n]
+            for temp in (0.0, 0.7):
+                for _ in range(slots):
+                    engine.submit(ids, ds.SamplingParams(temperature=temp, seed=0, ignore_eos=True,
+                                                         max_new_tokens=new))
+                engine.run()
+                guard.check()
     engine.finished.clear()
     engine.warm_buckets(unit)
     guard.check()
     engine.compile_cache_moves()
     guard.check()
-    log.info("warm-up (%d prompt lengths, greedy and sampled) done in %.1f s%s", len(lengths),
-             time.perf_counter() - t0, "" if guard.used is None else
+    log.info("warm-up (%d prompt lengths, greedy and sampled, slot buckets %s) done in %.1f s%s", len(lengths),
+             engine.slot_buckets, time.perf_counter() - t0, "" if guard.used is None else
              f"; the process holds {guard.used} of the kernel's {guard.limit} memory maps")
 
 

@@ -95,18 +95,24 @@ def test_arrivals_over_time_match_autoregressive(tiny):
 
 @pytest.mark.parametrize("fine", [False, True])
 def test_warm_cache_moves_compile_nothing_later(tiny, fine):
-    """The cache moves between windows (grown for a long context, cut when it is gone) are
-    programs of their own; the server's warm-up compiles them all, on the live cache."""
+    """The cache moves between windows (grown for a long context, cut when it is gone) and
+    between slot buckets (grown for arrivals, compacted as requests leave) are programs of
+    their own; the server's warm-up compiles them all, on the live state."""
     eng = Engine(tiny["target"], None, slots=2, max_len=512, max_new_tokens=MAX_NEW,
                  config=ds.DecodeConfig(policy="ar", fine_windows=fine))
     lengths = sorted({*eng.windows, eng.T})
     assert lengths == ([256, 384, 512] if fine else [256, 512]) and eng.st.cache.length == lengths[0]
+    assert eng.slot_buckets == [1, 2] and eng.n_slots == 1
     eng.compile_cache_moves()
-    assert eng.st.cache.length == lengths[0]  # back where it started
+    assert eng.st.cache.length == lengths[0] and eng.n_slots == 1  # back where it started
     c0, _ = compile_stats.snapshot()
-    for a in lengths:
-        for b in lengths:
-            jax.block_until_ready(eng.st.cache.resized(a).resized(b))
+    for n in (2, 1):
+        for a in lengths:
+            eng.st = eng.st.replace(cache=eng.st.cache.resized(a))
+            eng._resize_slots(3 - n)
+            eng._resize_slots(n)
+            for b in lengths:
+                jax.block_until_ready(eng.st.cache.resized(a).resized(b))
     assert compile_stats.snapshot()[0] == c0
 
 
@@ -161,8 +167,9 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
     import serve.engine as engine_mod
 
     monkeypatch.setenv("DSPARK_SPS_CACHE", str(tmp_path))
+    # All 4 slots always (min_slots): one slot bucket's two tables, measured for real.
     eng = Engine(tiny["target"], tiny["drafter"], slots=4, max_len=128, max_new_tokens=MAX_NEW, prefill_tokens=16,
-                 num_draft=3, cycles_per_step=2, policy="dspark")
+                 num_draft=3, cycles_per_step=2, policy="dspark", min_slots=4)
     assert eng.greedy_step_rates.key["sampling"] == "greedy" and "sampling" not in eng.step_rates.key
     assert len(list(tmp_path.iterdir())) == 2
     used, loop = [], engine_mod.decode_loop
@@ -194,16 +201,22 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
 @pytest.mark.slow
 def test_each_cache_length_schedules_with_its_own_table(tiny, tmp_path, monkeypatch):
     """Profiled by the engine per cache length it decodes at (the 256 window and the 512
-    cache): each step schedules with the table of the cache's current length."""
+    cache) and per slot bucket (1 and 2): each step schedules with the table of the cache's
+    current length and the state's slot count."""
     import serve.engine as engine_mod
     measured = window_tables(monkeypatch, tmp_path)
     eng = Engine(tiny["target"], tiny["drafter"], slots=2, max_len=512, max_new_tokens=48, prefill_tokens=256,
                  num_draft=3, cycles_per_step=4, policy="dspark")
-    assert sorted(measured) == [256, 256, 512, 512]  # greedy and sampled cycles, at both ends
+    # Greedy and sampled cycles, at both ends, for 1 and 2 slots.
+    assert eng.slot_buckets == [1, 2] and sorted(measured) == [256] * 4 + [512] * 4
+    assert [eng.loops[b].sched.table(512).slots for b in (1, 2)] == [1, 2]
     seen, loop = [], engine_mod.decode_loop
 
     def spy(*args, **kw):
-        seen.append((args[4].cache.length, float(args[7].skip_rate)))
+        st, sched = args[4], args[7]
+        n = st.seq_len.shape[0]
+        assert any(sched is a for a in eng.loops[n].greedy_sched.arrays.values())  # the table of its slots
+        seen.append((st.cache.length, float(sched.skip_rate)))
         return loop(*args, **kw)
 
     monkeypatch.setattr(engine_mod, "decode_loop", spy)
@@ -233,9 +246,11 @@ def test_warm_up_runs_every_verification_bucket(tiny):
     the one before, and the engine serves the target's tokens afterwards."""
     eng = engine(tiny)
     paid = eng.warm_buckets([1])
-    assert set(paid) == {(t, b) for t in (0.0, 0.7) for b in (4, 8, 12, 16)}
+    # A caller's step-rate table is for all 4 slots: the state never shrinks below them.
+    assert eng.slot_buckets == [4]
+    assert set(paid) == {(4, t, b) for t in (0.0, 0.7) for b in (4, 8, 12, 16)}
     for t in (0.0, 0.7):
-        per = [paid[(t, b)] for b in (4, 8, 12, 16)]
+        per = [paid[(4, t, b)] for b in (4, 8, 12, 16)]
         # Strictly more each time: every forced bucket ran (a request's last cycles shrink, as
         # fewer drafts fit its remaining tokens, so the means stay below the buckets themselves).
         assert all(a < b for a, b in zip(per, per[1:])), per
@@ -247,3 +262,48 @@ def test_warm_up_runs_every_verification_bucket(tiny):
     reqs = [eng.submit(p[i], greedy()) for i in range(4)]
     eng.run()
     assert [r.tokens for r in reqs] == ds.generate(tiny["target"], p[:4], sampling=greedy()).token_ids
+
+
+@pytest.mark.slow
+def test_idle_slots_shrink_the_state(tiny):
+    """The decode state holds the smallest slot bucket that fits the requests in flight: it
+    grows as requests queue and shrinks as they finish, moving the running requests into the
+    low slots. No token changes — greedy outputs equal autoregressive decoding, and sampled
+    ones (fixed-length drafting, each request with its own keys) equal an engine that always
+    decodes all 4 slots — and a request cancelled after its slot moved is the one stopped."""
+    p, m = tiny["prompts"][:10], tiny["budgets"][:10]
+
+    def serve(min_slots):
+        eng = Engine(tiny["target"], tiny["drafter"], slots=4, max_len=128, max_new_tokens=MAX_NEW,
+                     prefill_tokens=16, num_draft=3, cycles_per_step=2, policy="fixed", min_slots=min_slots)
+        assert eng.n_slots == min_slots
+        reqs, sizes = [], []
+        for i in range(len(p)):
+            reqs.append(eng.submit(p[i], greedy(m[i])))
+            if i % 3 == 2:
+                reqs.append(eng.submit(p[i], sampled(i)))
+                eng.step()
+                sizes.append(eng.n_slots)
+        late = eng.submit(p[0], greedy())
+        victim = eng.submit(p[1], sampled(99))  # admitted last, into the highest free slot
+        slots = []
+        while not eng.idle:
+            if victim.status == "running":
+                slots.append(victim.slot)
+                if min_slots == 1 and len(victim.tokens) >= 3 and victim.slot < slots[0]:  # it moved
+                    eng.cancel(victim)
+            eng.step()
+            sizes.append(eng.n_slots)
+        return eng, reqs + [late], victim, sizes
+
+    eng, reqs, victim, sizes = serve(1)
+    assert eng.slot_buckets == [1, 2, 4] and eng.used_slot_buckets == {1, 2, 4}
+    assert max(sizes) == 4 and sizes[-1] < 4  # grew to all 4, shrank in the tail
+    full, full_reqs, full_victim, full_sizes = serve(4)
+    assert set(full_sizes) == {4} and full.used_slot_buckets == {4}
+    assert [r.tokens for r in reqs] == [r.tokens for r in full_reqs]
+    ar = ds.generate(tiny["target"], p + [p[0]], sampling=[greedy(b) for b in m] + [greedy()]).token_ids
+    assert [r.tokens for r in reqs if r.sampling.greedy] == ar
+    assert victim.finish_reason == "cancelled" and 3 <= len(victim.tokens) < MAX_NEW
+    assert victim.tokens == full_victim.tokens[: len(victim.tokens)] and len(full_victim.tokens) == MAX_NEW
+    assert all(r.status == "finished" for r in reqs) and eng.stats()["requests_finished"] == len(reqs)
