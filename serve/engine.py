@@ -17,7 +17,7 @@ to its callback and retires finished or cancelled requests, freeing their slots.
 Idle slots cost nothing: the decode state holds the smallest slot bucket (a power of two from
 `min_slots` up to S) that fits the requests running and queued. It grows (one copy of the
 state into a bigger one) when more requests arrive, and once the requests in flight fit half
-of it, the running ones move into the slots of the smaller bucket (`take_slots`, as
+of it, the running ones move into the slots of the smaller bucket (`take_state_slots`, as
 `generate()` compacts), so a lone request on an 8-slot engine decodes at one slot's cost. Each
 slot bucket has its own programs and, scheduled, its own step-rate tables (profiled up front).
 
@@ -57,7 +57,7 @@ from dspark_jax.decoding.decode_loop import (
     acceptance_prior,
     decode_loop,
     request_stop_ids,
-    take_slots,
+    take_state_slots,
 )
 from dspark_jax.decoding.generate import (
     WindowSched,
@@ -115,6 +115,13 @@ def _shard_cache(cache: KVCache, mesh) -> KVCache:
         return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
     return cache.map_arrays(put)
+
+
+@jax.jit
+def _set_done(done, mask):
+    """`done` with the slots in `mask` marked done: one program per slot bucket, which the
+    warm-up compiles (`compile_cache_moves`), for cancellations, stop strings and new slots."""
+    return done | mask
 
 
 @dataclasses.dataclass
@@ -269,7 +276,7 @@ class Engine:
             self.queue.remove(req)
             self._finish(req, "cancelled")
         elif req.status in ("prefilling", "running"):
-            self.st = self.st.replace(done=self.st.done.at[req.slot].set(True))
+            self.st = self.st.replace(done=_set_done(self.st.done, np.arange(self.n_slots) == req.slot))
             self._finish(req, "cancelled")
 
     @property
@@ -301,6 +308,8 @@ class Engine:
                         self._resize_slots(b)
         for n in self.slot_buckets:
             self._resize_slots(n)
+            # Every slot of an idle state is free, so marking one done changes nothing.
+            self.st = self.st.replace(done=_set_done(self.st.done, np.arange(n) == 0))
             for a in lengths:
                 for b in lengths:
                     if a != b:
@@ -488,7 +497,7 @@ class Engine:
             self._resize_slots(want)
 
     def _resize_slots(self, n: int) -> None:
-        """Moves the decode state to `n` slots in one copy (`take_slots`): the running and
+        """Moves the decode state to `n` slots in one copy (`take_state_slots`): the running and
         prefilling requests first, in slot order, to slots 0, 1, …; then free slots (done, their
         stale rows overwritten on admission). Requests keep their keys, caches and scheduler
         state; only their slot numbers change."""
@@ -500,9 +509,9 @@ class Engine:
             raise RuntimeError(f"{len(busy)} requests in flight do not fit {n} slots")
         free = [s for s in range(old) if s not in self.running]
         idx = (busy + free + [0] * n)[:n]  # growing: the extra rows are copies, marked done below
-        st, _ = take_slots(self.st, self.sa, jnp.asarray(idx, jnp.int32), drafter=self.drafter)
+        st = take_state_slots(self.st, jnp.asarray(idx, jnp.int32), drafter=self.drafter)
         if n > old:
-            st = st.replace(done=st.done.at[old:].set(True))
+            st = st.replace(done=_set_done(st.done, np.arange(n) >= old))
         self.st = self._place(st)
         self.running = {new: self.running[s] for new, s in enumerate(busy)}
         for new, req in self.running.items():
@@ -526,7 +535,7 @@ class Engine:
                     new = cut[0][len(req.tokens):]
                     req.text = cut[1]
                     finished, reason = True, "stop"
-                    self.st = self.st.replace(done=self.st.done.at[slot].set(True))
+                    self.st = self.st.replace(done=_set_done(self.st.done, np.arange(self.n_slots) == slot))
             if new:
                 req.tokens += new
                 self.tokens_out += len(new)

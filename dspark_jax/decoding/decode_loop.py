@@ -258,17 +258,27 @@ PER_SLOT = ("seq_len", "anchor", "out", "n_out", "done", "max_new", "keys", "sto
             "reached", "accepted_at", "verified", "prev_conf", "acc_w", "reach_w", "f_acc_w", "f_exp_w")
 
 
+def _take_state(st: GenState, idx, drafter) -> GenState:
+    fields = {f: getattr(st, f)[idx] for f in PER_SLOT if getattr(st, f) is not None}
+    cache = st.cache.take(idx)
+    dcache = None if st.dcache is None else drafter.take_slots(st.dcache, idx)
+    return st.replace(cache=cache, dcache=dcache, **fields)
+
+
+# The state alone (the serving engine rebuilds its sampling rows itself): one program per
+# shape, whatever the static flags of the slots' sampling.
+take_state_slots = jax.jit(_take_state, static_argnames=("drafter",))
+
+
 @functools.partial(jax.jit, static_argnames=("drafter",))
 def take_slots(st: GenState, sa: SamplingArrays, idx, drafter=None):
     """The state of slots `idx` (in that order) as a smaller slot bucket: every per-slot field,
     the target's cache and the drafter's context cache (its own `take_slots`), and the
     sampling rows. Loop-wide counters carry over."""
-    fields = {f: getattr(st, f)[idx] for f in PER_SLOT if getattr(st, f) is not None}
-    cache = st.cache.take(idx)
-    dcache = None if st.dcache is None else drafter.take_slots(st.dcache, idx)
+    st = _take_state(st, idx, drafter)
     sa = sa.replace(temperature=sa.temperature[idx], top_k=sa.top_k[idx], top_p=sa.top_p[idx],
                     min_p=sa.min_p[idx])
-    return st.replace(cache=cache, dcache=dcache, **fields), sa
+    return st, sa
 
 
 def window_cache(dcache, kv_window: int | None):

@@ -307,3 +307,30 @@ def test_idle_slots_shrink_the_state(tiny):
     assert victim.finish_reason == "cancelled" and 3 <= len(victim.tokens) < MAX_NEW
     assert victim.tokens == full_victim.tokens[: len(victim.tokens)] and len(full_victim.tokens) == MAX_NEW
     assert all(r.status == "finished" for r in reqs) and eng.stats()["requests_finished"] == len(reqs)
+
+
+def test_slot_moves_after_warm_up_compile_nothing(tiny):
+    """After the server's warm-up, the state's moves between slot buckets compile nothing,
+    whatever sampling the moved requests use, and neither do cancellations at any bucket
+    (a move that took the sampling rows along compiled once per mix of sampling flags)."""
+    from serve.server import warmup
+
+    eng = Engine(tiny["target"], None, slots=4, max_len=512, max_new_tokens=MAX_NEW, prefill_tokens=16, policy="ar")
+    warmup(eng, tiny["target"])
+    c0, _ = compile_stats.snapshot()
+    p = tiny["prompts"]
+    first = eng.submit(p[0], sampled(1))
+    eng.step()
+    assert eng.n_slots == 1
+    others = [eng.submit(p[i], greedy(3)) for i in (1, 2, 3)]
+    eng.step()  # grows to 4 with a sampled request running
+    assert eng.n_slots == 4
+    eng.run()  # shrinks as the greedy ones finish
+    late = eng.submit(p[4], sampled(2))
+    eng.submit(p[5], greedy())
+    eng.step()  # 2 slots
+    eng.cancel(late)
+    eng.run()
+    assert eng.used_slot_buckets == {1, 2, 4} and late.finish_reason == "cancelled"
+    assert first.status == "finished" and all(r.status == "finished" for r in others)
+    assert compile_stats.snapshot()[0] == c0
