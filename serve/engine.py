@@ -199,10 +199,7 @@ class Engine:
                               windows=windows)
                 if step_rates is None and sched is not None and schedule != "threshold" else (settings, sched))
             self.loops[b] = SlotLoop(settings, sched, greedy_settings, greedy_sched)
-        top = self.loops[slots]
-        self.settings, self.sched = top.settings, top.sched
-        self.greedy_settings, self.greedy_sched = top.greedy_settings, top.greedy_sched
-        self.O = O = next_pow2(max_new_tokens) + K + 1
+        O = next_pow2(max_new_tokens) + K + 1
         self.M = 8  # stop ids per request
         self.dparams = drafter.params if drafter is not None else None
         # Where each admitted request's scheduler starts (the drafter's measured acceptance).
@@ -242,6 +239,23 @@ class Engine:
     def n_slots(self) -> int:
         """Slots the decode state holds now (its slot bucket)."""
         return len(self.slot_params)
+
+    # The loop of all S slots (what a caller's `step_rates` prices; the server logs its policy).
+    @property
+    def settings(self) -> LoopSettings:
+        return self.loops[self.S].settings
+
+    @property
+    def sched(self) -> WindowSched | None:
+        return self.loops[self.S].sched
+
+    @property
+    def greedy_settings(self) -> LoopSettings:
+        return self.loops[self.S].greedy_settings
+
+    @property
+    def greedy_sched(self) -> WindowSched | None:
+        return self.loops[self.S].greedy_sched
 
     @property
     def step_rates(self):
