@@ -10,8 +10,9 @@ matmul chain, and decoding with finished requests (SmolLM2-135M fp32).
    (context 256, window 512) next to the same dense matmuls (Q/K/V/O, MLP, norms, LM head)
    on N tokens with no attention, cache write or grid gather: the difference is what the
    attention machinery costs.
-3. **Decode vs bare chain** — one-token decode steps of S = 1 … 64 requests (context 256)
-   next to the bare chain of S tokens.
+3. **Decode vs bare chain** — one-token decode steps of S = 1 … 64 requests (context 256 in a
+   512 cache by default; `--decode-contexts` picks other context:cache pairs, e.g. 240:256, a
+   context the 256 window holds) next to the bare chain of S tokens.
 4. **Finished requests** — `generate()` on 8 requests of which 7 stop after 8 tokens and one
    runs 256: with slot compaction (the long request decodes alone in a 1-slot bucket) and
    without (8 slots until the end).
@@ -20,7 +21,7 @@ Steps are timed inside one jitted `fori_loop` of 8 steps (as the engine runs the
 per-call dispatch), configurations round-robin for `--repeats` rounds; median (min–max).
 
     python -m benchmarks.bench_context [--repeats 7] [--skip-compaction] [--skip-context] [--skip-packed]
-        [--skip-decode] [--decode-sizes 1,4,16,64] [--scan-layers]
+        [--skip-decode] [--decode-sizes 1,4,16,64] [--decode-contexts 240:256,256:512] [--scan-layers]
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ def main():
     ap.add_argument("--skip-packed", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--decode-sizes", default="1,4,16,64")
+    ap.add_argument("--decode-contexts", default="256:512",
+                    help="CONTEXT:CACHE pairs for the decode table, comma-separated (e.g. 240:256,256:512: "
+                         "a context the 256 window holds, and one that rounds up to 512)")
     ap.add_argument("--scan-layers", action="store_true", help="the scanned-layers target (default: unrolled)")
     args = ap.parse_args()
     target = ds.load_target("smollm2-135m", scan_layers=args.scan_layers)
@@ -206,10 +210,15 @@ def main():
                     packed_vs_bare(target, bare_target, args.repeats)), flush=True)
     if not args.skip_decode:
         sizes = tuple(int(x) for x in args.decode_sizes.split(","))
-        print(f"\n## Decode step of S one-token requests vs the bare chain of S tokens (context 256, cache 512, "
-              f"scan_layers={args.scan_layers})\n")
-        print(table(["requests S", "decode step ms", "bare chain ms", "decode / bare", "tokens / s"],
-                    decode_vs_bare(target, bare_target, args.repeats, sizes)), flush=True)
+        for pair in args.decode_contexts.split(","):
+            ctx, cache_len = (int(x) for x in pair.split(":"))
+            if ctx + 1 > cache_len:
+                raise SystemExit(f"--decode-contexts {pair}: context {ctx} + 1 does not fit a cache of {cache_len}")
+            print(f"\n## Decode step of S one-token requests vs the bare chain of S tokens (context {ctx}, "
+                  f"cache {cache_len}, scan_layers={args.scan_layers})\n")
+            print(table(["requests S", "decode step ms", "bare chain ms", "decode / bare", "tokens / s"],
+                        decode_vs_bare(target, bare_target, args.repeats, sizes, ctx=ctx, cache_len=cache_len)),
+                  flush=True)
     if not args.skip_compaction:
         rows, same = compaction_table(target, max(3, args.repeats // 2))
         print(f"\n## 8 requests, 7 stop after 8 tokens, one runs 256 (greedy; outputs identical: {same})\n")

@@ -49,7 +49,11 @@ CONFIGS = {  # name → serve.server --drafter
     "dspark": "smollm2-135m-dspark",
     "ngram": "ngram",
     "hybrid": "smollm2-135m-dspark+ngram",
+    # The hybrid whose async budget calibrates each request on its own evidence only (the
+    # default pools it over every request served: `serve.engine.PooledCalibration`).
+    "hybrid-own": "smollm2-135m-dspark+ngram",
 }
+SERVER_FLAGS = {"hybrid-own": ["--no-pooled-calibration"]}  # name → extra serve.server flags
 
 
 HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99", "TPOT ms mean/p50/p99",
@@ -125,6 +129,8 @@ def run_library(engine, prompts, max_tokens: int, concurrency: int) -> dict:
         # expected of them, per kind of row (the trained drafter's, prompt lookup's).
         for i, kind in enumerate(("drafter", "lookup")):
             rep[f"calibration_{kind}"] = {k: k1[k][i] - k0[k][i] for k in ("accepted", "budget_exp", "conf_exp")}
+            if engine.budget_trust is not None:
+                rep[f"calibration_{kind}"]["trust_at_end"] = engine.budget_trust[i]
     engine.finished.clear()
     return rep
 
@@ -209,7 +215,7 @@ def plot_throughput(results: dict, names, concs, path: str, weights: str = "fp32
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default="ar,dspark,ngram,hybrid")
     ap.add_argument("--slots", type=int, default=0,
                     help="the engine's slots (default 0: as many as the concurrency); more slots than requests in "
                          "flight is a server under partial load")
@@ -265,7 +271,7 @@ def main(argv=None):
                 sargs = server_args(CONFIGS[config], slots, args.max_tokens, args.max_len,
                                     "none" if args.warmup == "pass" else args.warmup,
                                     args.weight_dtype, args.fine_windows, args.weight_terms,
-                                    min_slots=int(m) if m else mins[0])
+                                    min_slots=int(m) if m else mins[0]) + SERVER_FLAGS.get(config, [])
                 engines[name] = make_engine(server_parser().parse_args(sargs), target,
                                             load_drafter(CONFIGS[config], target))
                 if args.warmup == "pass":
@@ -320,7 +326,10 @@ def main(argv=None):
                 if cal and sum(c["budget_exp"] for c in cal) > 0:
                     print(f"# {name}@{C} {kind} rows: drafts accepted / expected by the budget / by the step's "
                           "confidences: " + ", ".join(f"{c['accepted']:.0f} / {c['budget_exp']:.1f} / "
-                                                       f"{c['conf_exp']:.1f}" for c in cal), flush=True)
+                                                       f"{c['conf_exp']:.1f}" for c in cal)
+                          + ("" if "trust_at_end" not in cal[-1] else
+                             "; pooled trust after each round: " + ", ".join(f"{c['trust_at_end']:.2f}" for c in cal)),
+                          flush=True)
     print(f"\n## Serving: {args.max_tokens} new tokens per request, greedy, {args.prompts_per_slot}·C held-out "
           f"ShareGPT prompts, {args.slots or 'C'} slots, C in flight\n")
     print(table(HEADERS, rows))

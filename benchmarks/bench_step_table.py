@@ -10,6 +10,7 @@ beside the profiled table's price for it. `generate()` with the hybrid drafter, 
 ShareGPT prompts, greedy; one warm run per choice, then `--rounds` rounds in rotated order.
 
     python -m benchmarks.bench_step_table [--slots 8] [--weight-terms 1] [--rounds 3] [--prompt-tokens 192]
+        [--no-buckets]
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def main():
                          "512-token attention window")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--drafter", default="smollm2-135m-dspark+ngram")
+    ap.add_argument("--no-buckets", action="store_true",
+                    help="time only the one-token step, the async loop and autoregressive decoding (what a "
+                         "step that drafts nothing costs against autoregressive's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     target = ds.load_target("smollm2-135m", weight_dtype="bfloat16", weight_terms=args.weight_terms)
@@ -62,7 +66,8 @@ def main():
           "verify " + ", ".join(f"{b}: {v * 1e3:.1f}" for b, v in zip(table.buckets, table.verify_s)) + " ms",
           flush=True)
 
-    choices = {"one-token step": -1, **{f"bucket {b}": u for u, b in enumerate(table.buckets)}}
+    choices = {"one-token step": -1,
+               **({} if args.no_buckets else {f"bucket {b}": u for u, b in enumerate(table.buckets)})}
     # Every slot is busy, so bucket S (the anchors) holds no draft: the loop then runs its
     # one-token branch after drafting, and that is what the table must price it as.
     price = {name: (table.ar_s if u < 0 else

@@ -9,6 +9,8 @@ import time
 
 import jax
 
+from dspark_jax.decoding.profiling import cpu_model
+
 # The prompt sets ship in the repository (benchmarks/data/README.md: sources and licences);
 # DSPARK_EVAL_DATA points at another folder of the same format.
 EVAL_DIR = os.environ.get("DSPARK_EVAL_DATA", os.path.join(os.path.dirname(__file__), "data"))
@@ -62,23 +64,6 @@ def spread(xs, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
     """"median (min–max)" of xs × scale: the spread says how far to trust the median."""
     ys = [x * scale for x in xs]
     return f"{fmt.format(median(ys))} ({fmt.format(min(ys))}–{fmt.format(max(ys))})"
-
-
-def cpu_model() -> str:
-    """The CPU's model name and the vector extensions that decide XLA:CPU's speed here (bf16
-    matmuls run on AMX / AVX512-BF16 where present, converted to float32 on AVX2 otherwise):
-    two machines of this project's kind measured 2x apart in step time (Xeon with AMX against
-    an AVX2-only EPYC), so every recorded number needs it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
-                 platform.machine())
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
-    return f"{model} ({' '.join(isa) or 'no AVX2'})"
 
 
 def hardware() -> str:

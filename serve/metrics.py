@@ -148,6 +148,12 @@ class Metrics:
                     continue
                 head(name, "gauge", text)
                 L.append(f"{name} {v}")
+            trust = extra.get("budget_trust")
+            if trust is not None:
+                head("dspark_budget_trust", "gauge", "The async budget's pooled calibration: accepted drafts "
+                     "against what it expected, over the requests served (it scales its expectations by this).")
+                for rows, v in zip(("drafter", "foreseen"), trust):
+                    L.append(f'dspark_budget_trust{{rows="{rows}"}} {_num(v)}')
             for name, h, text in [
                 ("dspark_step_seconds", self.step_s, "Wall time of one engine step (admission + decode cycles)."),
                 ("dspark_ttft_seconds", self.ttft_s, "Time from request arrival to its first token."),

@@ -97,11 +97,16 @@ class SchedArrays:
     rates: jax.Array  # [U] steps/s of draft + verify at each bucket
     skip_rate: jax.Array  # [] steps/s of a step that does not draft (0 = never skip)
     threshold: jax.Array  # [] survival threshold of policy "threshold"
+    # [2] async: what the budget expects of a draft is scaled by this, per kind of row (the
+    # trained drafter's, foreseen rows): the serving engine's calibration pooled over requests
+    # (`serve.engine.PooledCalibration`): accepted drafts against what the budget expected, over
+    # the requests it served. 1: each request's own online calibration alone.
+    trust: jax.Array | None = None
 
     @classmethod
-    def make(cls, rates, skip_rate=0.0, threshold=0.0) -> SchedArrays:
+    def make(cls, rates, skip_rate=0.0, threshold=0.0, trust=(1.0, 1.0)) -> SchedArrays:
         return cls(jnp.asarray(rates, jnp.float32), jnp.asarray(skip_rate, jnp.float32),
-                   jnp.asarray(threshold, jnp.float32))
+                   jnp.asarray(threshold, jnp.float32), jnp.asarray(trust, jnp.float32))
 
 
 @struct.dataclass
@@ -451,6 +456,11 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
             # much and delivers nothing is switched off after a failed try, and re-tried as
             # the evidence fades.
             pred = (st.acc_w + settings.calib_prior * st.prev_conf) / (st.reach_w + settings.calib_prior)
+            # The pooled calibration's trust scales the first position's confidence, i.e. every
+            # survival probability (so the budget's expectation) by the same factor.
+            trust = jnp.ones((2,), jnp.float32) if sched.trust is None else sched.trust
+            first = jnp.arange(K)[None] == 0
+            pred = jnp.clip(pred * jnp.where(first, trust[0], 1.0), 0.0, 1.0)
             if hasattr(drafter, "foresight"):
                 # Confidences a drafter knows before drafting, from the committed context alone
                 # (prompt lookup: whether and how long the context matches): those rows are
@@ -464,7 +474,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
                 f_conf, foreseen = drafter.foresight(window_cache(st.dcache, W), st.anchor, st.seq_len)
                 c = settings.calib_prior
                 f_scale = (st.f_acc_w + c) / (st.f_exp_w + c)
-                f_scale_K = jnp.where(jnp.arange(K)[None] == 0, f_scale[:, None], 1.0)
+                f_scale_K = jnp.where(first, f_scale[:, None] * trust[1], 1.0)
                 f_pred = jnp.clip(f_conf[:, :K].astype(jnp.float32) * f_scale_K, 0.0, 1.0)
                 pred = jnp.where(foreseen[:, None], f_pred, pred)
             critical = None

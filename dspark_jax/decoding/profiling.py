@@ -14,8 +14,9 @@ cost is the difference ÷ 2 (the call's own cost — the host's dispatch of the 
 bigger bucket is never faster: timing noise must not make the scheduler prefer it).
 All-greedy batches get their own table (the greedy cycle drafts without distributions and
 verifies by argmax). Tables are cached as JSON under ~/.cache/dspark_jax/sps/ (or
-$DSPARK_SPS_CACHE), keyed by the method, device kind, model, config hash, dtype, drafter,
-slots, K, cache length, bucket list and sampling mode.
+$DSPARK_SPS_CACHE), keyed by the method, device kind (on a CPU also its model and vector extensions:
+`cpu_model`), model, config hash, dtype, drafter, slots, K, cache length, bucket list and
+sampling mode.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +41,30 @@ from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
 from dspark_jax.models.transformer import KVCache
 
 DEFAULT_CACHE_DIR = os.path.expanduser("~/.cache/dspark_jax/sps")
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the vector extensions that decide XLA:CPU's speed (bf16 matmuls
+    run on AMX / AVX512-BF16 where present, converted to float32 on AVX2 otherwise): machines of
+    this project's kind measured 2x apart in step time (a Xeon with AMX against an AVX2-only
+    EPYC), so a step-rate table from one must not price steps on another — JAX's device kind
+    says only "cpu"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+                 platform.machine())
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{model} ({' '.join(isa) or 'no AVX2'})"
+
+
+def device_kind() -> str:
+    """The table key's device: JAX's device kind, and on a CPU its model (`cpu_model`)."""
+    dev = jax.devices()[0]
+    return f"{dev.device_kind}: {cpu_model()}" if dev.platform == "cpu" else dev.device_kind
 
 
 def default_buckets(slots: int, num_draft: int, count: int = 4) -> tuple[int, ...]:
@@ -111,7 +137,7 @@ def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=Fal
         # bump to invalidate old tables
         "method": "draft(S) + verify(S, N), round-robin medians, 2 vs 4 steps a call, caches donated, "
                   "non-monotone pairs re-timed, traced step count, v6",
-        "device": jax.devices()[0].device_kind,
+        "device": device_kind(),
         "model": target.name,
         "config": hashlib.sha1(repr(target.cfg).encode()).hexdigest()[:16],
         "dtype": jnp.dtype(target.cfg.jnp_dtype).name,

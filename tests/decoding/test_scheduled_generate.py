@@ -26,7 +26,7 @@ from spec_helpers import sharpen, window_tables
 
 import dspark_jax as ds
 from dspark_jax.decoding.decode_loop import GenState, LoopSettings, SchedArrays, decode_loop
-from dspark_jax.decoding.profiling import StepRates, default_buckets, measure_step_rates, profile_step_rates
+from dspark_jax.decoding.profiling import StepRates, cpu_model, default_buckets, measure_step_rates, profile_step_rates
 from dspark_jax.decoding.sampling import SamplingArrays
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafters import Drafter, OracleDrafter
@@ -75,6 +75,13 @@ def test_profile_table_is_monotone_and_cached(tiny, tmp_path, monkeypatch):
     # From the cache: the same numbers, nothing measured (a measurement would be different).
     monkeypatch.setattr("dspark_jax.decoding.profiling.measure_step_rates", None)
     assert profile_step_rates(tiny["target"], tiny["drafter"], **kw) == table
+    # A table priced on one CPU does not price another (JAX's device kind alone is "cpu"):
+    # the key names the model and vector extensions, so another machine measures its own.
+    assert jax.devices()[0].platform != "cpu" or cpu_model() in key["device"]
+    monkeypatch.setattr("dspark_jax.decoding.profiling.cpu_model", lambda: "Another CPU (avx2)")
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(TypeError):  # no table for that machine: it would be measured (None here)
+            profile_step_rates(tiny["target"], tiny["drafter"], **kw)
     monkeypatch.undo()
     again = profile_step_rates(tiny["target"], tiny["drafter"], reprofile=True, **kw)
     assert again.buckets == table.buckets and again != table

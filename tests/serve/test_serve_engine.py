@@ -175,7 +175,8 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
     used, loop = [], engine_mod.decode_loop
 
     def spy(*args, **kw):
-        used.append(any(args[7] is a for a in eng.greedy_sched.arrays.values()))
+        # The table's arrays (the engine replaces only the pooled calibration's trust per step).
+        used.append(any(args[7].rates is a.rates for a in eng.greedy_sched.arrays.values()))
         return loop(*args, **kw)
 
     monkeypatch.setattr(engine_mod, "decode_loop", spy)
@@ -215,7 +216,7 @@ def test_each_cache_length_schedules_with_its_own_table(tiny, tmp_path, monkeypa
     def spy(*args, **kw):
         st, sched = args[4], args[7]
         n = st.seq_len.shape[0]
-        assert any(sched is a for a in eng.loops[n].greedy_sched.arrays.values())  # the table of its slots
+        assert any(sched.rates is a.rates for a in eng.loops[n].greedy_sched.arrays.values())  # its slots' table
         seen.append((st.cache.length, float(sched.skip_rate)))
         return loop(*args, **kw)
 
@@ -334,3 +335,70 @@ def test_slot_moves_after_warm_up_compile_nothing(tiny):
     assert eng.used_slot_buckets == {1, 2, 4} and late.finish_reason == "cancelled"
     assert first.status == "finished" and all(r.status == "finished" for r in others)
     assert compile_stats.snapshot()[0] == c0
+
+
+def test_pooled_calibration_weighs_accepted_against_expected():
+    """`PooledCalibration`: per kind of row, the drafts accepted against what the budget
+    expected at trust 1 (each reading's expectation ÷ the trust it was made under), with a
+    prior of `pseudo` expected drafts at ratio 1, over a sliding window of evidence."""
+    from serve.engine import PooledCalibration
+
+    cal = PooledCalibration(window=100.0, pseudo=10.0, decay=1.0)
+    assert list(cal.trust) == [1.0, 1.0]
+    cal.update([30.0, 0.0], [60.0, 0.0])  # half of what the budget expected of the drafter's rows
+    assert cal.trust[0] == pytest.approx(40 / 70) and cal.trust[1] == 1.0  # no foreseen rows: unchanged
+    t = cal.trust[0]
+    cal.update([40.0, 5.0], [60.0 + 20 * t, 5.0])  # 20 expected at trust 1, asked for under trust t
+    assert cal.trust[0] == pytest.approx((40 + 10) / (80 + 10)) and cal.trust[1] == pytest.approx(1.0)
+    t = cal.trust[0]
+    cal.update([140.0, 5.0], [60.0 + 20 * (40 / 70) + 100 * t, 5.0])  # 180 expected in all: the window keeps 100
+    assert cal.expected[0] == pytest.approx(100.0) and cal.accepted[0] == pytest.approx(140 * 100 / 180)
+    assert cal.trust[0] == pytest.approx((140 * 100 / 180 + 10) / 110)
+    cal.update([0.0, 0.0], [0.0, 0.0])  # a fresh decode state: its tallies restarted, nothing new
+    assert cal.trust[0] == pytest.approx((140 * 100 / 180 + 10) / 110)
+    low = PooledCalibration(pseudo=1.0, decay=0.9)
+    low.update([0.0, 0.0], [1000.0, 0.0])
+    assert low.trust[0] == low.lo  # clipped
+    for _ in range(100):  # no new evidence (the budget stopped drafting): it fades, the drafter is tried again
+        low.update([0.0, 0.0], [1000.0, 0.0])
+    assert 0.9 < low.trust[0] <= 1.0
+
+
+@pytest.mark.slow
+def test_pooled_calibration_stops_drafting_that_never_pays(tiny):
+    """A drafter whose drafts the target rejects, without a measured acceptance prior (so each
+    request's budget starts at confidence 1): calibrated per request alone, every new request
+    tries drafting again; pooled over the requests served, the engine learns that the drafter's
+    rows deliver far less than expected and the next requests barely draft. The outputs are the
+    target's either way (greedy ≡ autoregressive)."""
+    p, m = tiny["prompts"][:24], [MAX_NEW] * 24
+    # Drafting pays only if drafts survive: 4 anchors at 1 step/s against (4 + E) · 0.6 at 8
+    # tokens, (4 + E) · 0.45 at 16 (E ≥ 2.7, ≥ 4.9 drafts expected to be accepted).
+    from serve.engine import PooledCalibration
+
+    rates = {4: 1.0, 8: 0.6, 12: 0.5, 16: 0.45}
+    runs = {}
+    for pooled in (False, True):
+        eng = Engine(tiny["target"], tiny["drafter"], slots=4, max_len=128, max_new_tokens=MAX_NEW,
+                     prefill_tokens=16, num_draft=3, cycles_per_step=2, policy="dspark", step_rates=rates,
+                     # A prior worth 2 expected drafts: this short run's evidence decides.
+                     pooled_calibration=PooledCalibration(pseudo=2.0) if pooled else False)
+        assert eng.settings.policy == "async"
+        first = [eng.submit(x, greedy(b)) for x, b in zip(p[:12], m[:12])]
+        eng.run()
+        second = [eng.submit(x, greedy(b)) for x, b in zip(p[12:], m[12:])]
+        eng.run()
+        k1 = eng.counters()
+        runs[pooled] = dict(eng=eng, out=[r.tokens for r in first + second],
+                            verified=[sum(r.stats["verified"] for r in wave) for wave in (first, second)],
+                            accepted=k1["accepted"][0], expected=k1["budget_exp"][0])
+    ar = ds.generate(tiny["target"], p, sampling=[greedy(b) for b in m]).token_ids
+    assert runs[False]["out"] == runs[True]["out"] == ar
+    own, pooled = runs[False], runs[True]
+    assert own["eng"].budget_trust is None
+    assert own["accepted"] < 0.3 * own["expected"]  # most drafts do not survive
+    trust = pooled["eng"].budget_trust
+    assert trust[0] < 0.41 and trust[1] == 1.0  # below where the 16-token bucket pays at confidence 1
+    assert own["verified"][1] > 0 and pooled["verified"][1] < own["verified"][1] / 2
+    # What the budget expected is nearer what the drafts delivered (23% → 39% here).
+    assert pooled["accepted"] / pooled["expected"] > own["accepted"] / own["expected"]
