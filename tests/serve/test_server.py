@@ -444,3 +444,16 @@ def test_bench_against_a_stub_metrics_text():
     s = summarize([1.0, 2.0, 3.0, 4.0])
     assert s["mean"] == 2.5 and s["p50"] == 2.5 and 3.9 < s["p99"] <= 4.0
     json.dumps(s)
+
+
+def test_metrics_render_the_budgets_pooled_trust():
+    """/metrics' text (no server needed): the async budget's pooled calibration as one gauge per
+    kind of row, absent where there is none (autoregressive, `--no-pooled-calibration`)."""
+    from serve.bench import parse_metrics
+    from serve.metrics import Metrics
+
+    base = {"slots": 4, "active_slots": 2, "max_queue": 8, "running": 1, "queued": 0}
+    m = parse_metrics(Metrics().render({**base, "budget_trust": [0.75, 1.25]}))
+    assert m['dspark_budget_trust{rows="drafter"}'] == 0.75 and m['dspark_budget_trust{rows="foreseen"}'] == 1.25
+    assert m["dspark_active_slots"] == 2
+    assert not any(k.startswith("dspark_budget_trust") for k in parse_metrics(Metrics().render(base)))
