@@ -49,11 +49,11 @@ CONFIGS = {  # name → serve.server --drafter
     "dspark": "smollm2-135m-dspark",
     "ngram": "ngram",
     "hybrid": "smollm2-135m-dspark+ngram",
-    # The hybrid whose async budget calibrates each request on its own evidence only (the
-    # default pools it over every request served: `serve.engine.PooledCalibration`).
-    "hybrid-own": "smollm2-135m-dspark+ngram",
+    # The hybrid whose async budget also calibrates on every request served
+    # (`serve.engine.PooledCalibration`), not only on each request's own evidence.
+    "hybrid-pooled": "smollm2-135m-dspark+ngram",
 }
-SERVER_FLAGS = {"hybrid-own": ["--no-pooled-calibration"]}  # name → extra serve.server flags
+SERVER_FLAGS = {"hybrid-pooled": ["--pooled-calibration"]}  # name → extra serve.server flags
 
 
 HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99", "TPOT ms mean/p50/p99",

@@ -196,16 +196,17 @@ class Engine:
     (async or sync scheduler) or "threshold", as in `generate()`. `min_slots` (default 1) is
     the smallest slot bucket the decode state shrinks to (= `slots`: always all slots); a
     given `step_rates` table is for `slots` slots, so a scheduled engine with one never shrinks.
-    `pooled_calibration` (async): the budget's expectations are corrected by the evidence of
-    every request served (True: a default `PooledCalibration`, or one given); False: each
-    request's own calibration alone."""
+    `pooled_calibration` (async): the budget's expectations are also corrected by the evidence
+    of every request served (True: a default `PooledCalibration`, or one given); off by default
+    — it makes the expectations match what the drafts deliver, but measured it did not make
+    serving faster (BENCHMARKS.md, stop 50)."""
 
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 1024, max_new_tokens: int = 256,
                  prefill_tokens: int = 256, policy: str | None = None, scheduler="async", threshold: float = 0.5,
                  num_draft: int | None = None, step_rates=None, cycles_per_step: int = 4,
                  windowed_attention: bool = True, mesh=None, config: DecodeConfig | None = None,
                  stop_on_finish: bool = True, min_slots: int = 1,
-                 pooled_calibration: bool | PooledCalibration = True):
+                 pooled_calibration: bool | PooledCalibration = False):
         config = DecodeConfig.pick(config, policy=policy, num_draft=num_draft, scheduler=scheduler,
                                    threshold=threshold, windowed_attention=windowed_attention)
         self.config = config

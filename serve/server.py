@@ -210,9 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-slots", type=int, default=1,
                     help="smallest slot bucket: the decode state shrinks to the power of two that holds the requests "
                          "in flight, down to this (= --slots: every step pays for all slots)")
-    ap.add_argument("--no-pooled-calibration", action="store_true",
-                    help="the async budget calibrates each request on its own evidence only (default: also on "
-                         "every request served: accepted drafts against what the budget expected)")
+    ap.add_argument("--pooled-calibration", action="store_true",
+                    help="the async budget also calibrates on every request served (accepted drafts against what "
+                         "it expected), not only on each request's own evidence")
     ap.add_argument("--max-len", type=int, default=2048,
                     help="tokens of prompt + completion per slot (the KV cache length, rounded up to 128·2^k)")
     ap.add_argument("--max-tokens-limit", type=int, default=256, help="largest max_tokens a request may ask for")
@@ -272,7 +272,7 @@ def make_engine(args, target, drafter):
     return Engine(target, drafter if policy != "ar" else None, slots=args.slots, min_slots=args.min_slots,
                   max_len=args.max_len, max_new_tokens=args.max_tokens_limit, prefill_tokens=args.prefill_tokens,
                   cycles_per_step=args.cycles_per_step, config=config,
-                  pooled_calibration=not getattr(args, "no_pooled_calibration", False))
+                  pooled_calibration=getattr(args, "pooled_calibration", False))
 
 
 def warmup(engine, target, full: bool = False):

@@ -175,7 +175,7 @@ def test_greedy_batches_schedule_with_the_greedy_table(tiny, tmp_path, monkeypat
     used, loop = [], engine_mod.decode_loop
 
     def spy(*args, **kw):
-        # The table's arrays (the engine replaces only the pooled calibration's trust per step).
+        # The table's arrays (with pooled calibration the engine replaces the trust per step).
         used.append(any(args[7].rates is a.rates for a in eng.greedy_sched.arrays.values()))
         return loop(*args, **kw)
 
