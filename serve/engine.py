@@ -253,8 +253,10 @@ class Engine:
         self.dparams = drafter.params if drafter is not None else None
         # Where each admitted request's scheduler starts (the drafter's measured acceptance).
         self.prior = jnp.asarray(acceptance_prior(drafter, K))
-        self.calibration = (pooled_calibration if isinstance(pooled_calibration, PooledCalibration)
-                            else PooledCalibration() if pooled_calibration else None)
+        # Only the async budget reads the trust: no calibration to keep for any other schedule.
+        async_budget = scheduled and schedule == "async" and pooled_calibration is not False
+        self.calibration = (None if not async_budget else pooled_calibration
+                            if isinstance(pooled_calibration, PooledCalibration) else PooledCalibration())
         n = self.slot_buckets[0]
         st = GenState.create(cfg, drafter, self.dparams, slots=n, cache_len=self.T, out_len=O, num_draft=K,
                              stop_ids=np.full((n, self.M), -1, np.int32))
@@ -448,13 +450,13 @@ class Engine:
             settings, sched = ((loop.greedy_settings, loop.greedy_sched) if self.sa.all_greedy
                                else (loop.settings, loop.sched))
             arrays = None if sched is None else sched.at(length)
-            if arrays is not None and self.calibration is not None:
+            if self.calibration is not None:
                 arrays = arrays.replace(trust=jnp.asarray(self.calibration.trust, jnp.float32))
             self.st = decode_loop(self.target.graphdef, self.target.state, self.drafter, self.dparams, self.st,
                                   self.sa, jnp.int32(self.cycles_per_step), arrays,
                                   jnp.bool_(self.stop_on_finish),
                                   settings=dataclasses.replace(settings, kv_window=window))
-            if self.calibration is not None and self.st.accepted_sum is not None and settings.policy == "async":
+            if self.calibration is not None:
                 self.calibration.update(self.st.accepted_sum, self.st.budget_exp_sum)
             self._collect()
         self.busy_s += time.perf_counter() - t0
@@ -463,9 +465,7 @@ class Engine:
     def budget_trust(self) -> list[float] | None:
         """The pooled calibration's trust [trained drafter's rows, foreseen rows], or None
         (no async budget, or `pooled_calibration=False`)."""
-        if self.calibration is None or self.sched is None or self.settings.policy != "async":
-            return None
-        return [float(x) for x in self.calibration.trust]
+        return None if self.calibration is None else [float(x) for x in self.calibration.trust]
 
     def counters(self) -> dict[str, Any]:
         """The decode loop's running totals since the engine started: target steps, the steps
