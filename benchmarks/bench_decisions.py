@@ -46,9 +46,10 @@ def install_probes():
         LOG.append({"k": "decide", "t": time.perf_counter(), "S": int(S), "theta": np.asarray(theta).tolist(),
                     "skip": float(skip), "u": int(u), "expected": np.asarray(expected).tolist()})
 
-    def budget(prev_conf_SG, active_S, caps_S, rates_U, buckets, skip_rate=None, critical_S=None):
-        u = budget0(prev_conf_SG, active_S, caps_S, rates_U, buckets, skip_rate=skip_rate, critical_S=critical_S)
-        *_, S, _, expected = sch.expected_accepted(prev_conf_SG, active_S, caps_S, buckets)
+    def budget(prev_conf_SG, active_S, caps_S, rates_U, buckets, skip_rate=None, critical_S=None, widths=None):
+        u = budget0(prev_conf_SG, active_S, caps_S, rates_U, buckets, skip_rate=skip_rate, critical_S=critical_S,
+                    widths=widths)
+        _, _, _, S, _, expected, _ = sch.expected_accepted(prev_conf_SG, active_S, caps_S, buckets, widths)
         theta = (S + expected) * jnp.asarray(rates_U, jnp.float32)
         skip = S * (skip_rate if skip_rate is not None else 0.0)
         jax.debug.callback(on_decision, S, theta, skip, u, expected, ordered=True)

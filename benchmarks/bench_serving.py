@@ -52,8 +52,11 @@ CONFIGS = {  # name → serve.server --drafter
     # The hybrid whose async budget also calibrates on every request served
     # (`serve.engine.PooledCalibration`), not only on each request's own evidence.
     "hybrid-pooled": "smollm2-135m-dspark+ngram",
+    # The hybrid with every verification bucket's query grid K + 1 wide (before stop 51).
+    "hybrid-full": "smollm2-135m-dspark+ngram",
 }
-SERVER_FLAGS = {"hybrid-pooled": ["--pooled-calibration"]}  # name → extra serve.server flags
+SERVER_FLAGS = {"hybrid-pooled": ["--pooled-calibration"],  # name → extra serve.server flags
+                "hybrid-full": ["--bucket-widths", "full"]}
 
 
 HEADERS = ["C", "config", "mode", "output tok/s", "HTTP ÷ lib", "TTFT ms mean/p50/p99", "TPOT ms mean/p50/p99",

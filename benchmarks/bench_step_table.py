@@ -28,7 +28,8 @@ BIG = 1e6
 def forcing_table(table: ds.StepRates, choice: int) -> ds.StepRates:
     """A table under which the async budget always picks bucket `choice` (−1: never draft)."""
     verify = tuple(1.0 / BIG if u == choice else BIG for u in range(len(table.buckets)))
-    return ds.StepRates(table.slots, table.buckets, 0.0, verify, 1.0 / BIG if choice < 0 else float("inf"))
+    return ds.StepRates(table.slots, table.buckets, 0.0, verify, 1.0 / BIG if choice < 0 else float("inf"),
+                        widths=table.widths)
 
 
 def main():

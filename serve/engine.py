@@ -242,10 +242,10 @@ class Engine:
         self.loops: dict[int, SlotLoop] = {}
         for b in self.slot_buckets:
             settings, sched = loop_settings(target, drafter, schedule, K, b, self.T, config.threshold, step_rates,
-                                            False, windows=windows)
+                                            False, windows=windows, widths=config.bucket_widths)
             greedy_settings, greedy_sched = (
                 loop_settings(target, drafter, schedule, K, b, self.T, config.threshold, None, False, greedy=True,
-                              windows=windows)
+                              windows=windows, widths=config.bucket_widths)
                 if step_rates is None and sched is not None and schedule != "threshold" else (settings, sched))
             self.loops[b] = SlotLoop(settings, sched, greedy_settings, greedy_sched)
         O = next_pow2(max_new_tokens) + K + 1

@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pooled-calibration", action="store_true",
                     help="the async budget also calibrates on every request served (accepted drafts against what "
                          "it expected), not only on each request's own evidence")
+    ap.add_argument("--bucket-widths", choices=("narrow", "full"), default="narrow",
+                    help="query grid of each verification bucket: 'narrow' = the even share of the bucket's drafts "
+                         "plus one a slot (small buckets cost less and admit fewer drafts a slot); 'full' = K + 1 "
+                         "tokens a slot in every bucket")
     ap.add_argument("--max-len", type=int, default=2048,
                     help="tokens of prompt + completion per slot (the KV cache length, rounded up to 128·2^k)")
     ap.add_argument("--max-tokens-limit", type=int, default=256, help="largest max_tokens a request may ask for")
@@ -268,7 +272,8 @@ def make_engine(args, target, drafter):
         raise ValueError(f"--policy {policy} needs a drafter (got --drafter {args.drafter})")
     if args.num_draft is not None and policy != "fixed":
         raise ValueError("--num-draft applies to --policy fixed")
-    config = ds.DecodeConfig(policy=policy, num_draft=args.num_draft, fine_windows=args.fine_windows)
+    config = ds.DecodeConfig(policy=policy, num_draft=args.num_draft, fine_windows=args.fine_windows,
+                             bucket_widths=getattr(args, "bucket_widths", "narrow"))
     return Engine(target, drafter if policy != "ar" else None, slots=args.slots, min_slots=args.min_slots,
                   max_len=args.max_len, max_new_tokens=args.max_tokens_limit, prefill_tokens=args.prefill_tokens,
                   cycles_per_step=args.cycles_per_step, config=config,

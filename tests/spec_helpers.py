@@ -172,10 +172,11 @@ def window_tables(monkeypatch, tmp_path, cheap_at=512):
     they are almost free (it verifies every draft). Records the lengths measured."""
     measured = []
 
-    def fake(target, drafter, *, slots, num_draft, cache_len, buckets, repeats=7, greedy=False):
+    def fake(target, drafter, *, slots, num_draft, cache_len, buckets, repeats=7, greedy=False, widths=None):
         measured.append(cache_len)
         per_step = (1.0, 1 / 0.99, 1 / 0.98, 1 / 0.97) if cache_len >= cheap_at else (1.0, 1 / 0.3, 1 / 0.2, 1 / 0.1)
-        return profiling.StepRates(slots, tuple(buckets), 1e-3, tuple(per_step[: len(buckets)]), ar_s=cache_len / 256)
+        return profiling.StepRates(slots, tuple(buckets), 1e-3, tuple(per_step[: len(buckets)]), ar_s=cache_len / 256,
+                                   widths=widths)
 
     monkeypatch.setenv("DSPARK_SPS_CACHE", str(tmp_path))
     monkeypatch.setattr("dspark_jax.decoding.profiling.measure_step_rates", fake)

@@ -40,7 +40,11 @@ class DecodeConfig:
     `batched_prefill`: the older single prefill program over all prompts (for comparison).
     `makespan` (generate, async scheduler): a static batch returns when its slowest request is
     done, so the budget weighs a step by the progress of the slots that could finish last
-    (False: by the batch's tokens/s, as the serving engine does)."""
+    (False: by the batch's tokens/s, as the serving engine does). `bucket_widths` (scheduled
+    policies, profiled tables): each verification bucket's query grid — "narrow": the even
+    share of the bucket's drafts plus one a slot (`profiling.narrow_widths`: small buckets cost
+    less and admit at most width − 1 drafts a slot; serving at 8 slots 1.03–1.11× "full",
+    BENCHMARKS.md "Stop 51"); "full": K + 1 tokens a slot in every bucket."""
 
     policy: str | None = None
     num_draft: int | None = None
@@ -53,6 +57,7 @@ class DecodeConfig:
     prefill_chunk: int = 512
     batched_prefill: bool = False
     makespan: bool = True
+    bucket_widths: str = "narrow"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -63,6 +68,8 @@ class DecodeConfig:
             raise ValueError(f"threshold must be a survival probability in [0, 1], got {self.threshold}")
         if self.num_draft is not None and not (isinstance(self.num_draft, numbers.Integral) and self.num_draft >= 0):
             raise ValueError(f"num_draft must be an integer >= 0 (or None for the block size), got {self.num_draft!r}")
+        if self.bucket_widths not in ("narrow", "full"):
+            raise ValueError(f"bucket_widths must be 'narrow' or 'full', got {self.bucket_widths!r}")
         for name in ("chunk_cycles", "prefill_chunk"):
             v = getattr(self, name)
             if not (isinstance(v, numbers.Integral) and v >= 1):

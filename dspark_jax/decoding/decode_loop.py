@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.decoding.sampling import SamplingArrays
-from dspark_jax.decoding.scheduler import async_budget, bucket_index, schedule_lengths, survival
+from dspark_jax.decoding.scheduler import async_budget, bucket_for, schedule_lengths, survival
 from dspark_jax.decoding.verification import verify
 from dspark_jax.models.transformer import KVCache, StepKV, packed_layout
 
@@ -58,6 +58,10 @@ class LoopSettings:
     # (conf [S, K], active [S], caps [S], rates [U], buckets) -> lengths [S].
     policy: Any = "fixed"
     buckets: tuple[int, ...] = ()  # packed-token buckets of the scheduled policies, ascending
+    # Tokens a slot (anchor + drafts) of each bucket's query grid, non-decreasing, the largest
+    # K + 1; () = K + 1 for every bucket. A step's attention runs over the [S, width] grid
+    # whatever its packed tokens, so a narrow grid makes a small bucket cheaper (`StepRates`).
+    bucket_widths: tuple[int, ...] = ()
     # async: the budget's confidences are calibrated online per slot (see `cycle`): observed
     # acceptances, decayed by `calib_decay` per cycle, against the drafter's own confidences
     # worth `calib_prior` observations.
@@ -85,6 +89,11 @@ class LoopSettings:
     raw_confidence: bool = False
 
     def __post_init__(self):
+        w = self.bucket_widths
+        if w and (len(w) != len(self.buckets) or list(w) != sorted(w) or w[0] < 1
+                  or w[-1] != self.num_draft + 1):
+            raise ValueError(f"bucket_widths {w} must give each of the buckets {self.buckets} a non-decreasing "
+                             f"query width in [1, {self.num_draft + 1}], the largest {self.num_draft + 1} (K + 1)")
         if self.raw_confidence and self.policy != "fixed":
             raise ValueError("raw_confidence (calibration) runs with the fixed policy only: the "
                              "schedulers read calibrated confidences")
@@ -448,6 +457,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
             idx = (st.seq_len[0] < 0).astype(jnp.int32)
     else:
         buckets = settings.buckets
+        widths = settings.bucket_widths or None
         if policy == "async":
             # The budget comes from earlier steps only (never this step's drafts), so it is
             # known before drafting and a budget of 0 skips the drafter. Its confidences are
@@ -485,7 +495,7 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
                 critical = active & (togo >= jnp.max(togo) - K)
                 caps = jnp.where(critical, caps, 0)
             u = async_budget(pred, active, caps, sched.rates, buckets, skip_rate=sched.skip_rate,
-                             critical_S=critical)
+                             critical_S=critical, widths=widths)
             drafted = u >= 0
             d_tok, d_logits, conf = jax.lax.cond(drafted, draft, no_draft)
         else:
@@ -494,14 +504,14 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         rank = conf
         if callable(policy):  # a caller's scheduler (e.g. a test's negative control)
             nv = jnp.clip(policy(conf, active, caps, sched.rates, buckets), 0, caps).astype(jnp.int32)
-            u = bucket_index(jnp.sum(active) + jnp.sum(nv), buckets)
+            u = bucket_for(jnp.sum(active) + jnp.sum(nv), jnp.max(nv), buckets, widths)
         else:
             if policy == "async" and hasattr(drafter, "foresight"):
                 # The bucket's drafts go to the best candidates by the same corrected confidences
                 # (the scale comes from earlier cycles: the decision still never reads this one's).
                 rank = jnp.where(foreseen[:, None], jnp.clip(conf * f_scale_K, 0.0, 1.0), conf)
             nv, u = schedule_lengths(rank, policy, sched.rates, buckets, active_S=active, caps_S=caps, k=K,
-                                     threshold=sched.threshold, bucket_u=u, fill=True)
+                                     threshold=sched.threshold, bucket_u=u, fill=True, widths=widths)
         nv = jnp.where(drafted, nv, 0)
         # Branch 0: no drafts (q_max = 1, S tokens); branch 1 + u: bucket u.
         sizes = (S, *buckets)
@@ -509,7 +519,8 @@ def cycle(target, drafter, dparams, st: GenState, sa: SamplingArrays, settings: 
         if N < S:
             raise ValueError(f"the largest bucket ({N} tokens) must hold every slot's anchor ({S} slots)")
         branches = [functools.partial(verify_bucket, num_tokens=S, q_max=1, kv_window=W, defer_to=N)] + [
-            functools.partial(verify_bucket, num_tokens=n, q_max=K + 1, kv_window=W, defer_to=N) for n in buckets]
+            functools.partial(verify_bucket, num_tokens=n, q_max=q, kv_window=W, defer_to=N)
+            for n, q in zip(buckets, widths or (K + 1,) * len(buckets))]
         # A step that verifies no draft at all runs the one-query-per-slot variant: the same
         # target sample, without the [S, K+1] query grid of the drafting buckets.
         idx = jnp.where(drafted & (jnp.sum(nv) > 0), 1 + jnp.clip(u, 0, len(buckets) - 1), 0).astype(jnp.int32)

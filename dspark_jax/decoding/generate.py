@@ -197,7 +197,7 @@ def generate(
     st, sa = _initial_state(target, drafter, plan)
     settings, sched = loop_settings(target, drafter, config.loop_schedule(policy), K, plan.S, plan.T,
                                     config.threshold, step_rates, reprofile, greedy=sa.all_greedy,
-                                    windows=plan.windows)
+                                    windows=plan.windows, widths=config.bucket_widths)
     c0, cs0 = compile_stats.snapshot()
     t0 = time.perf_counter()
     st = _prefill(target, drafter, st, sa, plan, config)
@@ -483,15 +483,17 @@ class WindowSched:
         return cls({0: sched}, {0: table} if table is not None else {})
 
 
-def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofile, greedy=False, windows=()):
+def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofile, greedy=False, windows=(),
+                  widths=None):
     """(LoopSettings, WindowSched or None) for the cycle's schedule `name`
     (`DecodeConfig.loop_schedule`). `greedy` (every request at T = 0) profiles the cheaper
     greedy cycle (no draft distributions, argmax verification) instead of the sampled one.
     A profiled table is measured per cache length the loop runs at — `windows` (the
     attention windows below T) and T (`profile_window_rates`); a given `step_rates` holds
-    at every length."""
+    at every length. `widths` (`DecodeConfig.bucket_widths`): the profiled buckets' query grids."""
     if drafter is None or name == "fixed":
         return LoopSettings(num_draft=K), None
+    widths = None if widths == "full" else widths
     if isinstance(step_rates, StepRates):
         if step_rates.slots != S:
             raise ValueError(f"step_rates were measured for {step_rates.slots} slots, but this call runs {S} "
@@ -503,12 +505,16 @@ def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofi
         tables = {T: StepRates.from_mapping({n: 1.0 for n in default_buckets(S, K)}, slots=S)}
     else:
         tables = profile_window_rates(target, drafter, slots=S, num_draft=K, lengths=[*windows, T],
-                                      reprofile=reprofile, greedy=greedy)
+                                      reprofile=reprofile, greedy=greedy, widths=widths)
     table = tables[T]
     buckets = tuple(n for n in table.buckets if n <= S * (K + 1))
     if not buckets or buckets[-1] < S:
         raise ValueError(f"the step-rate table's buckets {table.buckets} need one of at least {S} packed "
                          f"tokens (the anchors of {S} slots) and at most {S * (K + 1)}")
-    settings = LoopSettings(num_draft=K, policy=name, buckets=buckets)
+    widths = tuple(table.widths[: len(buckets)]) if table.widths is not None else ()
+    if widths and widths[-1] != K + 1:
+        raise ValueError(f"the step-rate table's query widths {table.widths} were profiled for another number of "
+                         f"drafts: its largest kept bucket needs width {K + 1}")
+    settings = LoopSettings(num_draft=K, policy=name, buckets=buckets, bucket_widths=widths)
     arrays = {t: SchedArrays.make(tb.rates[: len(buckets)], tb.skip_rate, threshold) for t, tb in tables.items()}
     return settings, WindowSched(arrays, tables)

@@ -74,12 +74,27 @@ def default_buckets(slots: int, num_draft: int, count: int = 4) -> tuple[int, ..
     return tuple(slots + e for e in extra)
 
 
+def narrow_widths(slots: int, num_draft: int, buckets: Sequence[int]) -> tuple[int, ...]:
+    """Query widths (tokens a slot) for `buckets`: the even share of a bucket's drafts plus
+    one more a slot, K + 1 for the largest. The attention of a step runs over the [S, width]
+    grid whatever the bucket's packed tokens, so a narrow grid makes a small bucket cheaper
+    (SmolLM2, one term, 8 slots, K = 7, 256 positions: the 27-token bucket 69-77 ms at widths
+    4-5 against 91 ms at 8; BENCHMARKS.md, "Stop 51"); the scheduler then admits at most
+    width − 1 drafts a slot in it."""
+    K = num_draft
+    w = [min(K + 1, -(-max(n - slots, 0) // slots) + 2) for n in buckets]
+    w[-1] = K + 1
+    return tuple(int(x) for x in np.maximum.accumulate(w))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRates:
     """A profiled (or given) step-rate table for one slot count S.
 
     `rates[u]` = 1 / (draft_s + verify_s[u]) steps/s at bucket `buckets[u]` packed tokens;
-    `skip_rate` = 1 / ar_s for a step without drafting (0 = unknown: never skip)."""
+    `skip_rate` = 1 / ar_s for a step without drafting (0 = unknown: never skip). `widths`:
+    each bucket's query grid, tokens a slot (`LoopSettings.bucket_widths`), as measured;
+    None: K + 1 for every bucket."""
 
     slots: int
     buckets: tuple[int, ...]
@@ -87,6 +102,7 @@ class StepRates:
     verify_s: tuple[float, ...]
     ar_s: float = float("inf")
     key: dict | None = None
+    widths: tuple[int, ...] | None = None
 
     @classmethod
     def from_mapping(cls, sps: Mapping[int, float], slots: int) -> StepRates:
@@ -106,13 +122,13 @@ class StepRates:
     def to_dict(self) -> dict:
         return {"slots": self.slots, "buckets": list(self.buckets), "draft_s": self.draft_s,
                 "verify_s": list(self.verify_s), "ar_s": self.ar_s if np.isfinite(self.ar_s) else None,
-                "key": self.key}
+                "key": self.key, "widths": None if self.widths is None else list(self.widths)}
 
     @classmethod
     def between(cls, lo: StepRates, hi: StepRates, lo_len: int, hi_len: int, length: int) -> StepRates:
         """The table at cache length `length`, linear between tables measured at `lo_len` and
         `hi_len` (a step's attention reads the window; the rest of it does not depend on it)."""
-        if lo.slots != hi.slots or lo.buckets != hi.buckets or not lo_len < hi_len:
+        if lo.slots != hi.slots or lo.buckets != hi.buckets or lo.widths != hi.widths or not lo_len < hi_len:
             raise ValueError("interpolate between two tables of one slot count and bucket list, "
                              f"at two cache lengths (got {lo_len} and {hi_len})")
         f = (length - lo_len) / (hi_len - lo_len)
@@ -123,15 +139,17 @@ class StepRates:
         key = None if hi.key is None else {**hi.key, "cache_len": length, "interpolated": [lo_len, hi_len]}
         return cls(lo.slots, lo.buckets, mix(lo.draft_s, hi.draft_s),
                    tuple(mix(a, b) for a, b in zip(lo.verify_s, hi.verify_s)),
-                   mix(lo.ar_s, hi.ar_s) if np.isfinite(lo.ar_s) and np.isfinite(hi.ar_s) else float("inf"), key)
+                   mix(lo.ar_s, hi.ar_s) if np.isfinite(lo.ar_s) and np.isfinite(hi.ar_s) else float("inf"), key,
+                   lo.widths)
 
     @classmethod
     def from_dict(cls, d: dict) -> StepRates:
         return cls(int(d["slots"]), tuple(d["buckets"]), float(d["draft_s"]), tuple(d["verify_s"]),
-                   float("inf") if d.get("ar_s") is None else float(d["ar_s"]), d.get("key"))
+                   float("inf") if d.get("ar_s") is None else float(d["ar_s"]), d.get("key"),
+                   None if d.get("widths") is None else tuple(d["widths"]))
 
 
-def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=False) -> dict:
+def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=False, widths=None) -> dict:
     dcfg = getattr(drafter, "cfg", None)
     key = {
         # bump to invalidate old tables
@@ -149,6 +167,8 @@ def _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy=Fal
     }
     if greedy:
         key["sampling"] = "greedy"
+    if widths is not None:
+        key["widths"] = list(widths)
     return key
 
 
@@ -244,7 +264,8 @@ def step_inputs(target, drafter, *, slots: int, num_draft: int, cache_len: int, 
 
 
 def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
-                       buckets: Sequence[int], repeats: int = 7, greedy: bool = False) -> StepRates:
+                       buckets: Sequence[int], repeats: int = 7, greedy: bool = False,
+                       widths: Sequence[int] | None = None) -> StepRates:
     """Times draft(S), verify(S, N) for every bucket N, and the no-draft step (uncached).
     `greedy`: every request greedy (T = 0) — the loop then drafts without the draft
     distributions and verifies by argmax, both cheaper than the sampled path timed otherwise."""
@@ -259,8 +280,10 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
     # S = 16 a third of a one-token step), which no real step pays.
     caches = {"cache": x["cache"], "dcache": x["dcache"]}
 
+    q_of = dict(zip(buckets, widths or (K + 1,) * len(buckets)))
+
     def verify_fn(n_tokens, q_max, steps):
-        nv = jnp.asarray(spread_drafts(n_tokens - S, S, K))
+        nv = jnp.asarray(np.minimum(spread_drafts(n_tokens - S, S, K), q_max - 1))
 
         def call():
             out = _verify_step(tg, ts, drafter, dparams, caches["cache"], caches["dcache"], pos, anchor, sa, keys,
@@ -274,7 +297,7 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
         return lambda: _draft_step(tg, ts, drafter, dparams, caches["dcache"], anchor, pos, keys, sa, jnp.int32(steps))
 
     def pieces(steps):
-        return [draft_fn(steps), verify_fn(S, 1, steps)] + [verify_fn(n, K + 1, steps) for n in buckets]
+        return [draft_fn(steps), verify_fn(S, 1, steps)] + [verify_fn(n, q_of[n], steps) for n in buckets]
 
     n = STEPS_PER_CALL
 
@@ -292,26 +315,38 @@ def measure_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
     # "Stop 46".)
     redo = sorted({v for u in range(1, len(verify_s)) if verify_s[u] < verify_s[u - 1] for v in (u - 1, u)})
     if redo:
-        fns = [verify_fn(buckets[u], K + 1, steps) for steps in (n, n + 2) for u in redo]
+        fns = [verify_fn(buckets[u], q_of[buckets[u]], steps) for steps in (n, n + 2) for u in redo]
         t = _median_times(fns, 2 * repeats, warmup=1)
         for u, v in zip(redo, per_step(t[: len(redo)], t[len(redo):])):
             verify_s[u] = v
     # Monotone: a bigger bucket never runs faster (noise would otherwise attract the scheduler).
     verify_s = np.maximum.accumulate(np.asarray(verify_s)).tolist()
-    return StepRates(S, tuple(int(b) for b in buckets), float(draft_s), tuple(verify_s), float(ar_s))
+    return StepRates(S, tuple(int(b) for b in buckets), float(draft_s), tuple(verify_s), float(ar_s),
+                     widths=None if widths is None else tuple(int(w) for w in widths))
 
 
 def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len: int,
                        buckets: Sequence[int] | None = None, repeats: int = 7, cache_dir: str | None = None,
-                       reprofile: bool = False, greedy: bool = False) -> StepRates:
+                       reprofile: bool = False, greedy: bool = False,
+                       widths: Sequence[int] | str | None = None) -> StepRates:
     """The step-rate table of (target, drafter) at S = `slots`, from the disk cache when it
     holds one for this device, model, dtype, bucket list and sampling mode (`greedy`: every
-    request at T = 0, see `measure_step_rates`), else measured and stored."""
+    request at T = 0, see `measure_step_rates`), else measured and stored. `widths`: each
+    bucket's query grid (tokens a slot, `LoopSettings.bucket_widths`), "narrow"
+    (`narrow_widths`), or None (K + 1 for every bucket)."""
     buckets = tuple(buckets) if buckets is not None else default_buckets(slots, num_draft)
     if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] > slots * (num_draft + 1):
         raise ValueError(f"buckets must be strictly increasing within [1, {slots * (num_draft + 1)}] "
                          f"(S·(K+1) for S={slots}, K={num_draft}), got {buckets}")
-    key = _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy)
+    if widths == "narrow":
+        widths = narrow_widths(slots, num_draft, buckets)
+    if widths is not None:
+        widths = tuple(int(w) for w in widths)
+        if (len(widths) != len(buckets) or list(widths) != sorted(widths) or widths[0] < 1
+                or widths[-1] != num_draft + 1):
+            raise ValueError(f"widths {widths} must give each of the buckets {buckets} a non-decreasing query "
+                             f"width in [1, {num_draft + 1}], the largest {num_draft + 1} (K + 1)")
+    key = _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy, widths)
     path = _cache_path(key, cache_dir)
     if not reprofile and os.path.exists(path):
         with open(path) as f:
@@ -320,7 +355,7 @@ def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
             return table
     table = dataclasses.replace(measure_step_rates(target, drafter, slots=slots, num_draft=num_draft,
                                                    cache_len=cache_len, buckets=buckets, repeats=repeats,
-                                                   greedy=greedy),
+                                                   greedy=greedy, widths=widths),
                                 key=key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".tmp{os.getpid()}"

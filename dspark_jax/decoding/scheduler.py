@@ -115,21 +115,43 @@ def _fill_count(n_admit, avail_sorted_C, S, buckets):
     return jnp.clip(cap, n_admit, jnp.sum(avail_sorted_C))
 
 
-def expected_accepted(prev_conf_SG, active_S, caps_S, buckets: Sequence[int]):
+def bucket_for(N, max_len, buckets: Sequence[int], widths: Sequence[int] | None = None):
+    """Index of the smallest bucket holding N packed tokens and, with query `widths` (each
+    bucket's tokens per slot, non-decreasing), a slot's `max_len` drafts (len(buckets) when none does)."""
+    u = bucket_index(N, buckets)
+    if widths is None:
+        return u
+    return jnp.maximum(u, jnp.searchsorted(jnp.asarray(widths, jnp.int32) - 1, max_len, side="left"))
+
+
+def expected_accepted(prev_conf_SG, active_S, caps_S, buckets: Sequence[int], widths: Sequence[int] | None = None):
     """What each bucket is expected to accept: (survival [S, G], availability [S, G], candidate
     order, running slots S, candidates n_u bucket u holds, expected_U = Σ of the n_u best
-    predicted survivals). The async budget's Θ_u is (S + expected_U) · SPS_u."""
+    predicted survivals, admitted [U, M] in the j-major flat order). The async budget's Θ_u is
+    (S + expected_U) · SPS_u. With query `widths`, bucket u admits at most widths[u] − 1 drafts
+    a slot: its n_u best among those."""
     a_pred = survival(prev_conf_SG)
-    avail = active_S[:, None] & (jnp.arange(a_pred.shape[1])[None] < caps_S[:, None])
+    G = a_pred.shape[1]
+    avail = active_S[:, None] & (jnp.arange(G)[None] < caps_S[:, None])
     order, a_sorted, avail_sorted = _rank_order(a_pred, avail)
     S = jnp.sum(active_S).astype(jnp.int32)
-    csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
-    n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, a_sorted.shape[0])
-    return a_pred, avail, order, S, n_u, csum[n_u]
+    M = a_sorted.shape[0]
+    n_u = jnp.clip(jnp.asarray(buckets, jnp.int32) - S, 0, M)
+    if widths is None:  # bucket u admits the n_u best candidates
+        csum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(avail_sorted, a_sorted, 0.0))])
+        expected_U = csum[n_u]
+        adm_UM = jnp.arange(M)[None] < n_u[:, None]
+    else:  # the n_u best of those at positions below the bucket's width
+        j_sorted = order // a_pred.shape[0]  # the draft position of each sorted candidate (j-major flat)
+        ok_UM = avail_sorted[None] & (j_sorted[None] < jnp.asarray(widths, jnp.int32)[:, None] - 1)
+        adm_UM = ok_UM & (jnp.cumsum(ok_UM, axis=1) <= n_u[:, None])
+        expected_U = jnp.sum(jnp.where(adm_UM, a_sorted[None], 0.0), axis=1)
+    admitted_UM = jnp.zeros((len(buckets), M), bool).at[:, order].set(adm_UM)
+    return a_pred, avail, order, S, n_u, expected_U, admitted_UM
 
 
 def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int], skip_rate=None,
-                 critical_S=None):
+                 critical_S=None, widths: Sequence[int] | None = None):
     """The bucket for this step from *earlier* confidences (never this step's drafts).
 
     Unconstrained search over the buckets: Θ_u = (S + top-(N_u − S) predicted survival) ·
@@ -142,17 +164,16 @@ def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int]
     (the same units as S · skip_rate). Drafting that speeds up some requests while the
     batch waits for the others is then worth nothing; with one slot it is the same objective.
     """
-    a_pred, avail, order, S, n_u, expected_U = expected_accepted(prev_conf_SG, active_S, caps_S, buckets)
+    a_pred, avail, order, S, n_u, expected_U, admitted_UM = expected_accepted(prev_conf_SG, active_S, caps_S,
+                                                                               buckets, widths)
     S_all, G = a_pred.shape
     fits = jnp.asarray(buckets, jnp.int32) >= S
     if critical_S is None:
         worth_U = S + expected_U
     else:
         # Each slot's expected progress when bucket u admits the first n_u candidates.
-        M = order.shape[0]
-        rank_C = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))  # j-major flat
-        a_C = jnp.where(avail, a_pred, 0.0).T.reshape(-1)
-        gain_US = jnp.where(rank_C[None] < n_u[:, None], a_C[None], 0.0).reshape(len(buckets), G, S_all).sum(1)
+        a_C = jnp.where(avail, a_pred, 0.0).T.reshape(-1)  # j-major flat
+        gain_US = jnp.where(admitted_UM, a_C[None], 0.0).reshape(len(buckets), G, S_all).sum(1)
         slowest_U = jnp.min(jnp.where(critical_S[None], 1.0 + gain_US, jnp.inf), axis=1)
         worth_U = S * jnp.where(jnp.any(critical_S), slowest_U, 1.0)
     theta_U = jnp.where(fits, worth_U * jnp.asarray(rates_U, jnp.float32), -1.0)
@@ -163,16 +184,20 @@ def async_budget(prev_conf_SG, active_S, caps_S, rates_U, buckets: Sequence[int]
 
 
 def schedule_lengths(conf_SG, policy: str, rates_U, buckets, *, active_S, caps_S, k, threshold,
-                     bucket_u, fill: bool):
+                     bucket_u, fill: bool, widths: Sequence[int] | None = None):
     """(ℓ [S], bucket index) for the given policy (the in-loop form of `schedule`; all
-    arguments already arrays/static, `bucket_u` the async budget)."""
+    arguments already arrays/static, `bucket_u` the async budget). With query `widths` (each
+    bucket's tokens a slot), the async budget's bucket admits at most its width − 1 drafts a
+    slot, and the returned bucket is the smallest that holds both the tokens and the longest ℓ."""
     R_all, G = conf_SG.shape
+    if widths is not None and policy == "async":
+        caps_S = jnp.minimum(caps_S, jnp.asarray(widths, jnp.int32)[jnp.maximum(bucket_u, 0)] - 1)
     a = survival(conf_SG)
     avail = active_S[:, None] & (jnp.arange(G)[None] < caps_S[:, None])
     S = jnp.sum(active_S).astype(jnp.int32)
     if policy == "fixed":
         ell = jnp.where(active_S, jnp.minimum(k, caps_S), 0).astype(jnp.int32)
-        return ell, bucket_index(S + jnp.sum(ell), buckets)
+        return ell, bucket_for(S + jnp.sum(ell), jnp.max(ell), buckets, widths)
     order, a_sorted, avail_sorted = _rank_order(a, avail)
     if policy == "sync":
         n = _sync_count(a_sorted, avail_sorted, S, rates_U, buckets)
@@ -188,7 +213,7 @@ def schedule_lengths(conf_SG, policy: str, rates_U, buckets, *, active_S, caps_S
     ell = _lengths_from_count(order, n, (R_all, G))
     # The smallest bucket holding what was admitted: below the async budget when fewer
     # candidates exist (the cost changes, the output distribution cannot).
-    return ell, bucket_index(S + jnp.sum(ell), buckets)
+    return ell, bucket_for(S + jnp.sum(ell), jnp.max(ell), buckets, widths)
 
 
 def as_table(sps, num_buckets_hint: int | None = None) -> tuple[tuple[int, ...], jax.Array]:

@@ -331,3 +331,39 @@ def test_each_window_schedules_with_its_own_table(tiny, tmp_path, monkeypatch):
     assert skip_256 == pytest.approx(1.0) and skip_512 == pytest.approx(0.5)  # 1 / ar_s of each length
     assert paid_256 == steps_256 > 0  # the anchor only: bucket 1 every step
     assert paid_512 > steps_512 > 0  # drafts verified
+
+
+def test_narrow_widths():
+    from dspark_jax.decoding.profiling import narrow_widths
+
+    assert narrow_widths(8, 3, BUCKETS) == (2, 3, 4, 4)  # (8, 16, 24, 32): 0 / 1 / 2 drafts a slot evenly
+    assert narrow_widths(8, 7, (8, 27, 46, 64)) == (2, 5, 7, 8)
+    assert narrow_widths(1, 7, (1, 4, 6, 8)) == (2, 5, 7, 8)
+    with pytest.raises(ValueError, match="non-decreasing query width"):
+        LoopSettings(num_draft=K, policy="async", buckets=BUCKETS, bucket_widths=(2, 3, 4, 3))
+    with pytest.raises(ValueError, match="the largest 4"):
+        LoopSettings(num_draft=K, policy="async", buckets=BUCKETS, bucket_widths=(2, 3, 3, 3))
+    with pytest.raises(ValueError, match="bucket_widths must be 'narrow' or 'full'"):
+        ds.DecodeConfig(bucket_widths="wide")
+    t = StepRates(S, BUCKETS, 0.01, (0.1, 0.2, 0.3, 0.4), 0.09, widths=(2, 3, 4, 4))
+    assert StepRates.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    assert StepRates.between(t, t, 128, 256, 192).widths == t.widths
+
+
+@pytest.mark.slow
+def test_narrow_bucket_grids_verify_fewer_drafts_a_slot_and_stay_lossless(tiny):
+    # The oracle's drafts are all accepted. Rates of the buckets 8 / 16 / 24 / 32: with full
+    # grids the budget's best is bucket 24 (two drafts a slot: (8 + 16) · 0.85 = 20.4); with
+    # widths 2 / 2 / 2 / 4 it admits one draft a slot below bucket 32, and bucket 16 wins.
+    table = StepRates(S, BUCKETS, 0.0, (1 / 1.0, 1 / 0.9, 1 / 0.85, 1 / 0.3), 1.0, widths=(2, 2, 2, 4))
+    config = ds.DecodeConfig(policy="dspark", num_draft=K, makespan=False)
+
+    def run(t):
+        out = ds.generate(tiny["target"], tiny["prompts"], drafter=tiny["oracle"], sampling=greedy(), config=config,
+                          step_rates=t)
+        assert out.token_ids == tiny["ar"]
+        return out.stats
+
+    narrow, full = run(table), run(dataclasses.replace(table, widths=None))
+    assert 0 < max(narrow["mean_verified"]) <= 1.0 and narrow["bucket_per_step"] <= 16
+    assert max(full["mean_verified"]) > 1.5 and full["bucket_per_step"] > 16

@@ -280,3 +280,32 @@ def test_errors_say_what_was_wrong():
         schedule(conf, jnp.ones(2), "sync", buckets=(4, 2))
     with pytest.raises(ValueError, match="empty"):
         schedule(conf, {}, "sync")
+
+
+def test_narrow_bucket_widths_cap_the_drafts_a_slot_and_pick_a_bucket_that_holds_them():
+    # 4 slots, K = 3, buckets of 4 / 8 / 12 / 16 tokens with query widths 2 / 3 / 4 / 4.
+    buckets, widths = (4, 8, 12, 16), (2, 3, 4, 4)
+    conf = jnp.asarray([[1.0, 1.0, 1.0], [0.9, 0.9, 0.9], [0.2, 0.2, 0.2], [0.1, 0.1, 0.1]])
+    active, caps = jnp.ones((4,), bool), jnp.full((4,), 3, jnp.int32)
+    a = np.cumprod(np.asarray(conf), 1)
+    *_, expected, admitted = sch.expected_accepted(conf, active, caps, buckets)
+    *_, exp_w, adm_w = sch.expected_accepted(conf, active, caps, buckets, widths)
+    # Bucket 8 holds 4 drafts: the best 4 overall are slot 0's 3 and slot 1's first; at width 3
+    # (2 drafts a slot) they are slots 0 and 1's first two.
+    np.testing.assert_allclose(expected[1], a[0].sum() + a[1, 0], rtol=1e-6)
+    np.testing.assert_allclose(exp_w[1], a[0, :2].sum() + a[1, :2].sum(), rtol=1e-6)
+    assert float(exp_w[0]) == 0.0 and np.allclose(exp_w[2:], expected[2:])  # width K + 1: uncapped
+    assert int(jnp.sum(adm_w[1])) == 4 and int(jnp.sum(admitted[1])) == 4
+    # A table under which bucket 8 wins: the async budget picks it and admits ≤ 2 drafts a slot.
+    rates = jnp.asarray([1.0, 0.99, 0.5, 0.4])
+    u = sch.async_budget(conf, active, caps, rates, buckets, widths=widths)
+    assert int(u) == 1
+    ell, v = sch.schedule_lengths(conf, "async", rates, buckets, active_S=active, caps_S=caps, k=3,
+                                  threshold=0.0, bucket_u=u, fill=True, widths=widths)
+    assert ell.tolist() == [2, 2, 0, 0] and int(v) == 1
+    # Any policy's lengths land in a bucket wide enough for the longest: 3 drafts need width 4.
+    ell, v = sch.schedule_lengths(conf, "threshold", rates, buckets, active_S=active, caps_S=caps, k=3,
+                                  threshold=0.5, bucket_u=jnp.int32(0), fill=False, widths=widths)
+    assert ell.tolist() == [3, 3, 0, 0] and int(v) == 2  # 10 tokens: bucket 12 (width 4)
+    assert int(sch.bucket_for(5, 3, buckets, widths)) == 2 and int(sch.bucket_for(5, 1, buckets, widths)) == 1
+    assert int(sch.bucket_for(5, 3, buckets)) == 1
