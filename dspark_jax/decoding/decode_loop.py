@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.decoding.sampling import SamplingArrays
-from dspark_jax.decoding.scheduler import async_budget, bucket_for, schedule_lengths, survival
+from dspark_jax.decoding.scheduler import async_budget, bucket_for, check_widths, schedule_lengths, survival
 from dspark_jax.decoding.verification import verify
 from dspark_jax.models.transformer import KVCache, StepKV, packed_layout
 
@@ -89,11 +89,8 @@ class LoopSettings:
     raw_confidence: bool = False
 
     def __post_init__(self):
-        w = self.bucket_widths
-        if w and (len(w) != len(self.buckets) or list(w) != sorted(w) or w[0] < 1
-                  or w[-1] != self.num_draft + 1):
-            raise ValueError(f"bucket_widths {w} must give each of the buckets {self.buckets} a non-decreasing "
-                             f"query width in [1, {self.num_draft + 1}], the largest {self.num_draft + 1} (K + 1)")
+        if self.bucket_widths:
+            check_widths(self.bucket_widths, self.buckets, self.num_draft)
         if self.raw_confidence and self.policy != "fixed":
             raise ValueError("raw_confidence (calibration) runs with the fixed policy only: the "
                              "schedulers read calibrated confidences")

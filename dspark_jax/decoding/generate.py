@@ -512,9 +512,6 @@ def loop_settings(target, drafter, name, K, S, T, threshold, step_rates, reprofi
         raise ValueError(f"the step-rate table's buckets {table.buckets} need one of at least {S} packed "
                          f"tokens (the anchors of {S} slots) and at most {S * (K + 1)}")
     widths = tuple(table.widths[: len(buckets)]) if table.widths is not None else ()
-    if widths and widths[-1] != K + 1:
-        raise ValueError(f"the step-rate table's query widths {table.widths} were profiled for another number of "
-                         f"drafts: its largest kept bucket needs width {K + 1}")
     settings = LoopSettings(num_draft=K, policy=name, buckets=buckets, bucket_widths=widths)
     arrays = {t: SchedArrays.make(tb.rates[: len(buckets)], tb.skip_rate, threshold) for t, tb in tables.items()}
     return settings, WindowSched(arrays, tables)

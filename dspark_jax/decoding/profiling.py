@@ -38,6 +38,7 @@ from flax import nnx
 
 from dspark_jax.decoding.decode_loop import verify_bucket
 from dspark_jax.decoding.sampling import SamplingArrays, SamplingParams
+from dspark_jax.decoding.scheduler import check_widths
 from dspark_jax.models.transformer import KVCache
 
 DEFAULT_CACHE_DIR = os.path.expanduser("~/.cache/dspark_jax/sps")
@@ -342,10 +343,7 @@ def profile_step_rates(target, drafter, *, slots: int, num_draft: int, cache_len
         widths = narrow_widths(slots, num_draft, buckets)
     if widths is not None:
         widths = tuple(int(w) for w in widths)
-        if (len(widths) != len(buckets) or list(widths) != sorted(widths) or widths[0] < 1
-                or widths[-1] != num_draft + 1):
-            raise ValueError(f"widths {widths} must give each of the buckets {buckets} a non-decreasing query "
-                             f"width in [1, {num_draft + 1}], the largest {num_draft + 1} (K + 1)")
+        check_widths(widths, buckets, num_draft)
     key = _model_key(target, drafter, slots, num_draft, cache_len, buckets, greedy, widths)
     path = _cache_path(key, cache_dir)
     if not reprofile and os.path.exists(path):

@@ -115,6 +115,15 @@ def _fill_count(n_admit, avail_sorted_C, S, buckets):
     return jnp.clip(cap, n_admit, jnp.sum(avail_sorted_C))
 
 
+def check_widths(widths: Sequence[int], buckets: Sequence[int], num_draft: int) -> None:
+    """Query widths must give each bucket a non-decreasing width in [1, K + 1], the largest
+    K + 1 (so every schedule fits some bucket)."""
+    w = list(widths)
+    if len(w) != len(buckets) or w != sorted(w) or w[0] < 1 or w[-1] != num_draft + 1:
+        raise ValueError(f"bucket_widths {tuple(w)} must give each of the buckets {tuple(buckets)} a non-decreasing "
+                         f"query width in [1, {num_draft + 1}], the largest {num_draft + 1} (K + 1)")
+
+
 def bucket_for(N, max_len, buckets: Sequence[int], widths: Sequence[int] | None = None):
     """Index of the smallest bucket holding N packed tokens and, with query `widths` (each
     bucket's tokens per slot, non-decreasing), a slot's `max_len` drafts (len(buckets) when none does)."""
