@@ -36,7 +36,7 @@ from flax import nnx
 
 import dspark_jax as ds
 from benchmarks.common import eval_prompts, hardware, machine_load, table
-from dspark_jax.models.layers import _blocked_scores, _cached_scores, tree_sum
+from dspark_jax.models.layers import MIN_DOT_ROWS, _blocked_scores, _cached_scores, tree_sum
 from dspark_jax.models.transformer import KVCache
 
 
@@ -119,9 +119,9 @@ def _reductions(K=3, I=3, E=64, D=576):
     return {
         "RMSNorm: mean of squares over the hidden dim (minor)":
             (lambda a: jnp.mean(a * a, -1)[0], lambda S, Q, T: (x[:S * Q],)),
-        "bf16 matmul row (rows = S·Q; one row padded to two)":
+        "bf16 matmul row (rows = S·Q; fewer than `layers.MIN_DOT_ROWS` padded to it)":
             (lambda a: jnp.einsum("mi,oi->mo", a, w, preferred_element_type=jnp.float32)[0],
-             lambda S, Q, T: (x16[:max(S * Q, 2)],)),
+             lambda S, Q, T: (x16[:max(S * Q, MIN_DOT_ROWS)],)),
         "scores: q·k over the head dim, keys minor (`layers._cached_scores`)":
             (lambda a, b: _cached_scores(a, b)[1][0, :, :I, :live],
              lambda S, Q, T: (q_SQHE[:S, :Q], kt[:S, ..., :T])),
@@ -134,7 +134,7 @@ def _reductions(K=3, I=3, E=64, D=576):
             (lambda a: tree_sum(a * a)[0], lambda S, Q, T: (x[:S * Q],)),
         "alternative: denominator as a halving tree":
             (lambda a: tree_sum(a)[0, :, :I], lambda S, Q, T: (p[:S, :, :Q * I, :T],)),
-        "alternative: scores over keys in position blocks [S, K, T/128, E, 128] (`layers._blocked_scores`)":
+        "alternative: scores over keys in position blocks [S, K, T/B, E, B], B = 256 or 128 (`layers._blocked_scores`)":
             (lambda a, b: _blocked_scores(a, b)[0, :, 0, :, :live],
              lambda S, Q, T: (q[:S, :, :Q * I].reshape(S, K, Q, I, E), kt[:S, ..., :T])),
         "alternative: scores as E chained multiply-adds, queries [S, K, Q, I, E]":
@@ -143,7 +143,7 @@ def _reductions(K=3, I=3, E=64, D=576):
     }
 
 
-def reduction_shapes(slots=(1, 2, 8), queries=(1, 2, 4, 8), windows=(256, 512, 1024, 2048)):
+def reduction_shapes(slots=(1, 2, 8), queries=(1, 2, 4, 8), windows=(256, 384, 512, 768, 1024, 2048)):
     """[(reduction, shapes (S, Q, T) whose first row differs from (1, 1, 256)'s, shapes tried)]."""
     out = []
     for name, (fn, make) in _reductions().items():

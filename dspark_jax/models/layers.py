@@ -69,6 +69,14 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+# Fewer bf16 rows than this are zero-padded to it. XLA:CPU multiplies 1, 2 and ≥ 3 rows with
+# different kernels, which sum a row's products in different orders (measured on a Xeon with
+# AMX and AVX512-FP16; 1 row is also its slow path): padded, a row's result does not depend on
+# how many rows its step has, which batch-invariant decoding rests on (`benchmarks/
+# bench_batch_invariance.py` measures it). The weights' memory traffic dominates a few rows' cost.
+MIN_DOT_ROWS = 4
+
+
 def narrow_weight_dot(x, w_OI, terms: int = 3):
     """x [..., I] (float32) @ w_OI.T for weights stored narrower (bfloat16) as [O, I].
 
@@ -95,8 +103,8 @@ def narrow_weight_dot(x, w_OI, terms: int = 3):
         rest = rest - p.astype(jnp.float32)
     m = x_MI.shape[0]
     rows = jnp.concatenate(parts)
-    if rows.shape[0] == 1:  # a single bf16 row takes XLA:CPU's slow path: pad it to two
-        rows = jnp.pad(rows, ((0, 1), (0, 0)))
+    if rows.shape[0] < MIN_DOT_ROWS:
+        rows = jnp.pad(rows, ((0, MIN_DOT_ROWS - rows.shape[0]), (0, 0)))
     y = jnp.einsum("mi,oi->mo", rows, w_OI, preferred_element_type=jnp.float32)
     y = functools.reduce(jnp.add, [y[i * m:(i + 1) * m] for i in reversed(range(terms))])  # smallest first
     return y.reshape(*lead, w_OI.shape[0]).astype(x.dtype)
@@ -299,23 +307,30 @@ def _chained_scores(q_SKQIE, k_SKQER):
     return acc
 
 
-# Positions per block of the cache-wide scores (`_blocked_scores`).
-SCORE_BLOCK = 128
+# Positions per block of the cache-wide scores (`_blocked_scores`): the largest of these that
+# divides the window (else the window is one block).
+SCORE_BLOCKS = (256, 128)
+
+
+def score_block(T: int) -> int:
+    """The position block of `_blocked_scores` at window T."""
+    return next((b for b in SCORE_BLOCKS if T % b == 0), T)
 
 
 def _blocked_scores(q_SKQIE, kt_SKET):
-    """q · k for every cached position, [S, K, Q, I, T]: the keys regrouped in blocks of
-    SCORE_BLOCK positions, [S, K, T/B, E, B], and XLA's multiply-reduce over the head dim.
+    """q · k for every cached position, [S, K, Q, I, T]: the keys regrouped in blocks of B
+    positions (`score_block`), [S, K, T/B, E, B], and XLA's multiply-reduce over the head dim.
     Over the flat [E, T] layout XLA:CPU sums the head dim in an order that changes with T
-    (every window ≥ 1,024 measured differs from 256); over fixed-size blocks every window is
-    the same reduction repeated, and a position's score is the same at every slot count,
-    query count and window (`benchmarks/bench_batch_invariance.py` measures it). The regrouping
-    is a transpose XLA fuses into the reduction: as fast as the flat form at one slot, faster
-    from 1,024 positions (reducing over E of a merely reshaped [E, T/B, B] view instead is
-    equally invariant but ~10× slower on XLA:CPU). A cache whose length is not a multiple of
-    the block is one block."""
+    (measured: every T ≥ 640 differs from 256, 384 and 512 do not); over blocks of 128 or 256
+    positions every window is the same reduction repeated, and a position's score is the same
+    at every slot count, query count and window (`benchmarks/bench_batch_invariance.py`
+    measures it). The regrouping is a transpose: a copy of the keys each layer and step
+    (at 8 slots and 256 positions ~6 ms of a ~58 ms one-token step of SmolLM2), which a
+    window of one block skips — hence blocks of 256 where the window allows (BENCHMARKS.md,
+    "Stop 52"). Reducing over E of a merely reshaped [E, T/B, B] view instead is equally
+    invariant but ~10× slower on XLA:CPU. A window that is not a multiple of 128 is one block."""
     S, K, E, T = kt_SKET.shape
-    B = SCORE_BLOCK if T % SCORE_BLOCK == 0 else T
+    B = score_block(T)
     k = kt_SKET.reshape(S, K, E, T // B, B).transpose(0, 1, 3, 2, 4)  # [S, K, T/B, E, B]
     s = jnp.sum(q_SKQIE[:, :, :, :, None, :, None] * k[:, :, None, None], axis=-2)  # [S, K, Q, I, T/B, B]
     return s.reshape(*s.shape[:4], T)

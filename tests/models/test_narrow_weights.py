@@ -180,3 +180,38 @@ def test_a_verification_step_computes_the_autoregressive_logits(tiny_target, wei
         assert (eq, rows, worst, agree) == (16, 16, 0.0, 1.0)
     else:
         assert rows == 16 and eq < rows and 0 < worst < ATOL and agree == 1.0
+
+
+def test_cache_wide_scores_are_the_same_at_every_window_and_block():
+    """`layers._blocked_scores`, the cache-wide part of a batch-invariant decode step: one
+    query's scores over the first 200 positions (the rest of the window zero) are bitwise the
+    same at every slot count, query count and window — windows of 256-position blocks (256,
+    512, 768, 1,024), 128-position ones (384) and one block (320) alike. A transposed copy of
+    the keys is skipped where the window is one block; this is what lets it."""
+    from dspark_jax.models.layers import _blocked_scores, score_block
+
+    assert [score_block(t) for t in (256, 384, 512, 768, 1024, 320)] == [256, 128, 256, 256, 256, 320]
+    rng = np.random.default_rng(0)
+    K, I, E, live = 3, 3, 64, 200
+    q = rng.standard_normal((8, K, 5, I, E)).astype(np.float32)
+    kt = rng.standard_normal((8, K, E, 1024)).astype(np.float32)
+    kt[..., live:] = 0
+    f = jax.jit(lambda a, b: _blocked_scores(a, b)[0, :, 0, :, :live])
+    base = np.asarray(f(q[:1, :, :1], kt[:1, ..., :256]))
+    for S, Q, T in [(8, 1, 256), (1, 5, 256), (8, 5, 384), (1, 1, 320), (8, 5, 512), (1, 1, 768), (8, 5, 1024)]:
+        got = np.asarray(f(q[:S, :, :Q], kt[:S, ..., :T]))
+        assert np.array_equal(got, base), (S, Q, T)
+
+
+def test_a_bf16_row_is_the_same_at_every_row_count():
+    """One term (activations rounded to bf16): a token's matmul row is bitwise the same whether
+    its step multiplies 1, 2, 3 or 24 rows — XLA:CPU's kernels for 1, 2 and ≥ 3 rows sum in
+    different orders on some CPUs (`layers.MIN_DOT_ROWS`), and a verification step's rows must
+    be the autoregressive steps' bit for bit."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((192, 576)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((24, 576)), jnp.float32)
+    f = jax.jit(lambda a: narrow_weight_dot(a, w, terms=1)[0])
+    base = np.asarray(f(x[:1]))
+    for m in (2, 3, 4, 5, 8, 24):
+        assert np.array_equal(np.asarray(f(x[:m])), base), m
