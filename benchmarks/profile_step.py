@@ -34,10 +34,9 @@ import jax
 
 import dspark_jax as ds
 from benchmarks.bench_concurrency import heldout_sharegpt
+from benchmarks.bench_step_table import forcing_table
 from benchmarks.common import machine_load, table
 from dspark_jax.decoding.profiling import default_buckets, narrow_widths
-
-BIG = 1e6
 
 
 def _union(intervals) -> float:
@@ -96,8 +95,8 @@ def main():
     if a.mode == "hybrid-skip":
         drafter = ds.load_drafter(a.drafter, target)
         buckets = default_buckets(a.slots, 7)
-        never = ds.StepRates(a.slots, buckets, 0.0, (BIG,) * len(buckets), 1.0 / BIG,
-                             widths=narrow_widths(a.slots, 7, buckets))
+        shape = ds.StepRates(a.slots, buckets, 0.0, (1.0,) * len(buckets), widths=narrow_widths(a.slots, 7, buckets))
+        never = forcing_table(shape, -1)
         kw = dict(drafter=drafter, policy="dspark", scheduler="async", step_rates=never)
     ds.generate(target, prompts, sampling=sp, **kw)  # compiles
     print(f"# {a.mode}, {a.slots} slots, {a.weight_terms} term(s); {machine_load()}", flush=True)
