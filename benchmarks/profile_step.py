@@ -14,6 +14,7 @@ on one thread costs its thread time in wall time. `--mode`:
   skipped step: what it pays beside an autoregressive step).
 
     python -m benchmarks.profile_step [--mode ar] [--slots 8] [--new-tokens 48] [--weight-terms 1]
+        [--weight-dtype bfloat16|float32]
         [--top 15] [--trace-dir /tmp/dspark_trace]
 
 The per-op events are XLA:CPU's own (`ThunkExecutor`); other backends name their ops otherwise.
@@ -84,11 +85,13 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=192)
     ap.add_argument("--weight-terms", type=int, choices=(1, 3), default=1)
+    ap.add_argument("--weight-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--drafter", default="smollm2-135m-dspark+ngram")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--trace-dir", default="/tmp/dspark_trace")
     a = ap.parse_args()
-    target = ds.load_target("smollm2-135m", weight_dtype="bfloat16", weight_terms=a.weight_terms)
+    target = (ds.load_target("smollm2-135m") if a.weight_dtype == "float32" else
+              ds.load_target("smollm2-135m", weight_dtype="bfloat16", weight_terms=a.weight_terms))
     prompts = heldout_sharegpt(target, a.slots, a.prompt_tokens, 0)
     sp = ds.SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens, ignore_eos=True)
     kw = {}
@@ -99,7 +102,8 @@ def main():
         never = forcing_table(shape, -1)
         kw = dict(drafter=drafter, policy="dspark", scheduler="async", step_rates=never)
     ds.generate(target, prompts, sampling=sp, **kw)  # compiles
-    print(f"# {a.mode}, {a.slots} slots, {a.weight_terms} term(s); {machine_load()}", flush=True)
+    terms = "float32" if a.weight_dtype == "float32" else f"bf16, {a.weight_terms} term(s)"
+    print(f"# {a.mode}, {a.slots} slots, {terms}; {machine_load()}", flush=True)
     shutil.rmtree(a.trace_dir, ignore_errors=True)
     with jax.profiler.trace(a.trace_dir, create_perfetto_trace=True):
         res = ds.generate(target, prompts, sampling=sp, **kw)

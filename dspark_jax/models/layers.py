@@ -308,13 +308,16 @@ def _chained_scores(q_SKQIE, k_SKQER):
 
 
 # Positions per block of the cache-wide scores (`_blocked_scores`): the largest of these that
-# divides the window (else the window is one block).
+# divides the window; a window none divides is padded to blocks of the smallest (a window no
+# longer than the smallest is one block).
 SCORE_BLOCKS = (256, 128)
 
 
 def score_block(T: int) -> int:
     """The position block of `_blocked_scores` at window T."""
-    return next((b for b in SCORE_BLOCKS if T % b == 0), T)
+    if T <= SCORE_BLOCKS[-1]:
+        return T
+    return next((b for b in SCORE_BLOCKS if T % b == 0), SCORE_BLOCKS[-1])
 
 
 def _blocked_scores(q_SKQIE, kt_SKET):
@@ -328,12 +331,17 @@ def _blocked_scores(q_SKQIE, kt_SKET):
     (at 8 slots and 256 positions ~6 ms of a ~58 ms one-token step of SmolLM2), which a
     window of one block skips — hence blocks of 256 where the window allows (BENCHMARKS.md,
     "Stop 52"). Reducing over E of a merely reshaped [E, T/B, B] view instead is equally
-    invariant but ~10× slower on XLA:CPU. A window that is not a multiple of 128 is one block."""
+    invariant but ~10× slower on XLA:CPU. A window of at most 128 positions is one block; a
+    longer one that 128 does not divide is padded with zero keys to blocks of 128 (as one flat
+    block its scores differed from 256's at windows of 576, 672, 704 and 960 positions)."""
     S, K, E, T = kt_SKET.shape
     B = score_block(T)
-    k = kt_SKET.reshape(S, K, E, T // B, B).transpose(0, 1, 3, 2, 4)  # [S, K, T/B, E, B]
+    Tp = -(-T // B) * B
+    if Tp != T:  # zero keys after the window: their scores are cut off below
+        kt_SKET = jnp.pad(kt_SKET, ((0, 0), (0, 0), (0, 0), (0, Tp - T)))
+    k = kt_SKET.reshape(S, K, E, Tp // B, B).transpose(0, 1, 3, 2, 4)  # [S, K, T/B, E, B]
     s = jnp.sum(q_SKQIE[:, :, :, :, None, :, None] * k[:, :, None, None], axis=-2)  # [S, K, Q, I, T/B, B]
-    return s.reshape(*s.shape[:4], T)
+    return s.reshape(*s.shape[:4], Tp)[..., :T]
 
 
 def attend_in_fixed_order(q_SQHE, kt_SKET, v_SKTE, pos_SQ, valid_SQ, new=None, recent: int = RECENT):

@@ -186,11 +186,12 @@ def test_cache_wide_scores_are_the_same_at_every_window_and_block():
     """`layers._blocked_scores`, the cache-wide part of a batch-invariant decode step: one
     query's scores over the first 200 positions (the rest of the window zero) are bitwise the
     same at every slot count, query count and window — windows of 256-position blocks (256,
-    512, 768, 1,024), 128-position ones (384) and one block (320) alike. A transposed copy of
-    the keys is skipped where the window is one block; this is what lets it."""
+    512, 768, 1,024), 128-position ones (384) and windows 128 does not divide, padded to blocks
+    of 128 (320, 576, 704, 960; as one flat block 576 – 960 differed). A transposed copy of the
+    keys is skipped where the window is one block; this is what lets it."""
     from dspark_jax.models.layers import _blocked_scores, score_block
 
-    assert [score_block(t) for t in (256, 384, 512, 768, 1024, 320)] == [256, 128, 256, 256, 256, 320]
+    assert [score_block(t) for t in (256, 384, 512, 768, 1024, 320, 704, 96)] == [256, 128, 256, 256, 256, 128, 128, 96]
     rng = np.random.default_rng(0)
     K, I, E, live = 3, 3, 64, 200
     q = rng.standard_normal((8, K, 5, I, E)).astype(np.float32)
@@ -198,7 +199,8 @@ def test_cache_wide_scores_are_the_same_at_every_window_and_block():
     kt[..., live:] = 0
     f = jax.jit(lambda a, b: _blocked_scores(a, b)[0, :, 0, :, :live])
     base = np.asarray(f(q[:1, :, :1], kt[:1, ..., :256]))
-    for S, Q, T in [(8, 1, 256), (1, 5, 256), (8, 5, 384), (1, 1, 320), (8, 5, 512), (1, 1, 768), (8, 5, 1024)]:
+    for S, Q, T in [(8, 1, 256), (1, 5, 256), (8, 5, 384), (1, 1, 320), (8, 5, 512), (1, 1, 768), (8, 5, 1024),
+                    (8, 5, 576), (1, 1, 704), (8, 1, 960)]:
         got = np.asarray(f(q[:S, :, :Q], kt[:S, ..., :T]))
         assert np.array_equal(got, base), (S, Q, T)
 
